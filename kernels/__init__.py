@@ -1,0 +1,1 @@
+"""Numerical kernels: torch reference paths (CPU serving) and Triton kernels (GPU)."""

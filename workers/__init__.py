@@ -1,0 +1,1 @@
+"""Worker replicas: one in-process vLLM engine each, with entropy-stabilized sampling."""

@@ -1,0 +1,64 @@
+"""Typed entropy-control parameters: deployment defaults and the per-request ``entropic`` object.
+
+One pydantic model serves both: the deployment config holds defaults, a request's
+``entropic`` object overrides any subset of them, and ``merged`` validates the result
+(for example t_min <= t_max across the two sources).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+EstimatorName = Literal["exact", "topk", "tail"]
+
+
+class SamplingControl(BaseModel):
+    """Entropy-stabilized sampling (paper §3.3 with the corrected sign, guards of §5)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    target_entropy: float = Field(2.0, ge=0.0, le=20.0, description="H* in nats")
+    eta: float = Field(0.3, ge=0.0, le=10.0, description="gain of the temperature law")
+    t_min: float = Field(0.1, gt=0.0, le=10.0)
+    t_max: float = Field(2.0, gt=0.0, le=10.0)
+    max_log_step: float = Field(0.5, gt=0.0, le=10.0, description="bound on |log T_{t+1} - log T_t|")
+    estimator: EstimatorName = "exact"
+    topk: int = Field(64, ge=1, le=4096, description="k of the top-k and tail-corrected estimators")
+    ema_alpha: float = Field(1.0, gt=0.0, le=1.0, description="EMA weight of the entropy fed to the law; 1 = none")
+    t_cal: float = Field(1.0, gt=0.0, le=10.0, description="calibration temperature of §5 applied before sampling")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "SamplingControl":
+        if self.t_min > self.t_max:
+            raise ValueError(f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
+        return self
+
+    def merged(self, overrides: dict[str, Any] | None) -> "SamplingControl":
+        """These defaults with a request's overrides, validated together."""
+        if not overrides:
+            return self
+        return SamplingControl.model_validate({**self.model_dump(), **overrides})
+
+    def initial_temperature(self, requested: float | None) -> float:
+        t0 = 1.0 if requested is None else requested
+        return min(max(t0, self.t_min), self.t_max)
+
+    def engine_args(self, key: str, requested_temperature: float | None) -> dict[str, Any]:
+        """The plain dict the logits processor reads from SamplingParams.extra_args."""
+        return {
+            "key": key,
+            "control": self.enabled,
+            "t0": self.initial_temperature(requested_temperature),
+            "target_entropy": self.target_entropy,
+            "eta": self.eta,
+            "t_min": self.t_min,
+            "t_max": self.t_max,
+            "max_log_step": self.max_log_step if math.isfinite(self.max_log_step) else 1e9,
+            "estimator": self.estimator,
+            "topk": self.topk,
+            "ema_alpha": self.ema_alpha,
+            "t_cal": self.t_cal,
+        }

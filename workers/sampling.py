@@ -1,0 +1,190 @@
+"""Entropy-stabilized sampling as a vLLM V1 logits processor (adapter; written for vllm 0.32.0).
+
+Per request (keyed by the caller's request key in ``SamplingParams.extra_args["entropic"]``,
+never by batch index: vLLM removes and re-adds rows on preemption and rescheduling):
+
+* control rows (sampling requests with control enabled): logits are divided by
+  T_cal * T_t, the entropy estimate H_t of that distribution is taken, and the law of
+  ``controller.laws.temperature`` gives T_{t+1}. vLLM's own temperature for these requests
+  is 1.0 (set by the engine runner), so T_t is the whole sampling temperature.
+* observed rows (greedy requests, or control disabled): logits are left as they are; the
+  entropy of the distribution the request samples from (softmax(z / T_request), T = 1 for
+  greedy) is still recorded, since the other control layers consume it.
+
+The processor declares itself not argmax-invariant so vLLM calls it for greedy rows too
+(argmax-invariant processors are skipped on greedy batches); it never changes a greedy
+row, so greedy output is untouched. It runs before vLLM's penalties and top-k/top-p, so
+H_t is the entropy of the full tempered distribution before truncation.
+
+Records are (H_t, T_t) per output position. A row whose sample vLLM discards (a partial
+prefill chunk) is processed again at the same position: the record is overwritten and the
+temperature step is recomputed from the same starting point.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from controller.laws.temperature import TemperatureLaw, next_temperature, smoothed_entropy
+from kernels.entropy import Estimator, estimate
+
+EXTRA_ARGS_KEY = "entropic"
+_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+
+
+@dataclass
+class _RequestState:
+    key: str
+    control: bool
+    law: TemperatureLaw
+    estimator: Estimator
+    topk: int
+    ema_alpha: float
+    t_cal: float
+    observe_temperature: float
+    output_ids: list[int]
+    t_next: float
+    t_cur: float = 0.0
+    pos: int = -1
+    ema_base: float | None = None
+    ema: float | None = None
+    records: list[tuple[float, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, output_ids: list[int]) -> "_RequestState | None":
+        cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+        if cfg is None:
+            return None
+        greedy = params.temperature < _GREEDY_EPS
+        control = bool(cfg["control"]) and not greedy
+        law = TemperatureLaw(
+            target_entropy=cfg["target_entropy"], eta=cfg["eta"], t_min=cfg["t_min"],
+            t_max=cfg["t_max"], max_log_step=cfg["max_log_step"],
+        )
+        return cls(
+            key=str(cfg["key"]), control=control, law=law, estimator=Estimator(cfg["estimator"]),
+            topk=int(cfg["topk"]), ema_alpha=float(cfg["ema_alpha"]), t_cal=float(cfg["t_cal"]),
+            observe_temperature=1.0 if greedy else float(params.temperature),
+            output_ids=output_ids, t_next=float(cfg["t0"]),
+        )
+
+    def begin_position(self) -> None:
+        pos = len(self.output_ids)
+        if pos != self.pos:
+            self.pos = pos
+            self.t_cur = self.t_next
+            self.ema_base = self.ema
+
+    @property
+    def divisor(self) -> float:
+        return self.t_cal * self.t_cur if self.control else self.observe_temperature
+
+    def record(self, entropy: float) -> None:
+        self.ema = smoothed_entropy(self.ema_base, entropy, self.ema_alpha)
+        if self.control:
+            self.t_next = next_temperature(self.t_cur, self.ema, self.law)
+        shown_t = self.t_cur if self.control else self.observe_temperature
+        while len(self.records) < self.pos:  # positions sampled before the state existed
+            self.records.append((math.nan, math.nan))
+        entry = (entropy, shown_t)
+        if self.pos < len(self.records):
+            self.records[self.pos] = entry
+        else:
+            self.records.append(entry)
+
+
+class EntropicLogitsProcessor(LogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        cfg = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
+        if cfg is None:
+            return
+        missing = {"key", "control", "t0", "target_entropy", "eta", "t_min", "t_max"} - set(cfg)
+        if missing:
+            raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] lacks {sorted(missing)}")
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self._rows: dict[int, _RequestState] = {}
+        self._by_key: dict[str, _RequestState] = {}
+        self.estimator_seconds = 0.0
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    # --- engine-thread API (the engine runner reads telemetry between steps) -------------
+    def records(self, key: str) -> list[tuple[float, float]]:
+        state = self._by_key.get(key)
+        return state.records if state is not None else []
+
+    def forget(self, key: str) -> None:
+        self._by_key.pop(key, None)
+
+    # --- vLLM hooks --------------------------------------------------------------------
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._rows.pop(index, None)
+        for index, params, _prompt_ids, output_ids in batch_update.added:
+            cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
+            state = self._by_key.get(str(cfg["key"])) if cfg is not None else None
+            if state is None:
+                state = _RequestState.from_params(params, output_ids) if cfg is not None else None
+                if state is not None:
+                    self._by_key[state.key] = state
+            else:
+                state.output_ids = output_ids  # resumed after preemption: same controller state
+            if state is None:
+                self._rows.pop(index, None)
+            else:
+                self._rows[index] = state
+        for src, dst, direction in batch_update.moved:
+            a, b = self._rows.pop(src, None), self._rows.pop(dst, None)
+            if a is not None:
+                self._rows[dst] = a
+            if direction == MoveDirectionality.SWAP and b is not None:
+                self._rows[src] = b
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        n = logits.shape[0]
+        rows = sorted(i for i in self._rows if i < n)
+        if not rows:
+            return logits
+        states = [self._rows[i] for i in rows]
+        for state in states:
+            state.begin_position()
+        index = torch.tensor(rows, device=logits.device)
+        divisors = torch.tensor([s.divisor for s in states], device=logits.device, dtype=logits.dtype)
+        scaled = logits.index_select(0, index) / divisors.unsqueeze(1)
+        control = [j for j, s in enumerate(states) if s.control]
+        if control:
+            sel = torch.tensor(control, device=logits.device)
+            logits.index_copy_(0, index.index_select(0, sel), scaled.index_select(0, sel))
+
+        started = time.perf_counter()
+        entropy = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
+        for (est, k), members in _group_by_estimator(states).items():
+            sel = torch.tensor(members, device=logits.device)
+            entropy.index_copy_(0, sel, estimate(scaled.index_select(0, sel), est, k))
+        values = entropy.tolist()
+        self.estimator_seconds += time.perf_counter() - started
+
+        for state, h in zip(states, values):
+            state.record(h)
+        return logits
+
+
+def _group_by_estimator(states: list[_RequestState]) -> dict[tuple[Estimator, int], list[int]]:
+    groups: dict[tuple[Estimator, int], list[int]] = {}
+    for j, s in enumerate(states):
+        k = s.topk if s.estimator is not Estimator.EXACT else 0
+        groups.setdefault((s.estimator, k), []).append(j)
+    return groups
