@@ -21,7 +21,7 @@ from controller.laws.entropic_time import EntropyTrace
 logger = logging.getLogger(__name__)
 
 
-def configure_process_env(cpu_threads: int, kv_cache_space_gib: float) -> None:
+def configure_process_env(cpu_threads: int, kv_cache_space_gib: int) -> None:
     """Environment vLLM reads at import: must run before vllm is imported in this process.
 
     With vLLM's default thread binding, two engines (or an engine and a busy process) on
@@ -70,7 +70,8 @@ class _Stream:
     trace: EntropyTrace = field(default_factory=EntropyTrace)
 
 
-StepObserver = Callable[[float, list[tuple[str, list[float], list[float], "Delta"]]], None]
+# (step wall seconds, estimator seconds in that step, deltas the step produced)
+StepObserver = Callable[[float, float, list["Delta"]], None]
 
 
 class EngineRunner:
@@ -159,6 +160,7 @@ class EngineRunner:
             if not self.engine.has_unfinished_requests():
                 continue
             started = time.perf_counter()
+            estimator_before = self.processor.estimator_seconds
             try:
                 outputs = self.engine.step()
             except BaseException as exc:  # the engine is broken: fail every stream, stop
@@ -173,11 +175,11 @@ class EngineRunner:
             produced = [d for d in (self._deliver(o) for o in outputs) if d is not None]
             if self._on_step is not None:
                 try:
-                    self._on_step(step_seconds, produced)
+                    self._on_step(step_seconds, self.processor.estimator_seconds - estimator_before, produced)
                 except Exception:  # observers must never stop serving
                     logger.exception("step observer failed")
 
-    def _deliver(self, output: Any) -> tuple[str, "Delta"] | None:
+    def _deliver(self, output: Any) -> Delta | None:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return None
@@ -206,7 +208,7 @@ class EngineRunner:
             self._streams.pop(output.request_id, None)
             self.processor.forget(stream.key)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
-        return stream.key, delta
+        return delta
 
 
 def _find_logits_processor(engine: Any, cls: type) -> Any:

@@ -8,8 +8,9 @@ never by batch index: vLLM removes and re-adds rows on preemption and rescheduli
   ``controller.laws.temperature`` gives T_{t+1}. vLLM's own temperature for these requests
   is 1.0 (set by the engine runner), so T_t is the whole sampling temperature.
 * observed rows (greedy requests, or control disabled): logits are left as they are; the
-  entropy of the distribution the request samples from (softmax(z / T_request), T = 1 for
-  greedy) is still recorded, since the other control layers consume it.
+  entropy of the distribution the request samples from (softmax(z / T_request)) is still
+  recorded, since the other control layers consume it. Greedy rows record the entropy of
+  softmax(z) (the model's predictive entropy) with temperature 0.
 
 The processor declares itself not argmax-invariant so vLLM calls it for greedy rows too
 (argmax-invariant processors are skipped on greedy batches); it never changes a greedy
@@ -47,6 +48,7 @@ class _RequestState:
     topk: int
     ema_alpha: float
     t_cal: float
+    greedy: bool
     observe_temperature: float
     output_ids: list[int]
     t_next: float
@@ -70,7 +72,7 @@ class _RequestState:
         return cls(
             key=str(cfg["key"]), control=control, law=law, estimator=Estimator(cfg["estimator"]),
             topk=int(cfg["topk"]), ema_alpha=float(cfg["ema_alpha"]), t_cal=float(cfg["t_cal"]),
-            observe_temperature=1.0 if greedy else float(params.temperature),
+            greedy=greedy, observe_temperature=1.0 if greedy else float(params.temperature),
             output_ids=output_ids, t_next=float(cfg["t0"]),
         )
 
@@ -89,7 +91,7 @@ class _RequestState:
         self.ema = smoothed_entropy(self.ema_base, entropy, self.ema_alpha)
         if self.control:
             self.t_next = next_temperature(self.t_cur, self.ema, self.law)
-        shown_t = self.t_cur if self.control else self.observe_temperature
+        shown_t = self.t_cur if self.control else (0.0 if self.greedy else self.observe_temperature)
         while len(self.records) < self.pos:  # positions sampled before the state existed
             self.records.append((math.nan, math.nan))
         entry = (entropy, shown_t)

@@ -1,0 +1,46 @@
+"""The central entropy controller as a single-replica Serve deployment.
+
+Replicas stream telemetry here at the control period (``report``): the entropy profile of
+each active request and, once a second, their metric families. The ingress reads the
+merged metrics from here for /metrics and the profiles for /debug/requests. Scheduling
+decisions (π(s), decode grants) are built on this intake.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray import serve
+
+from controller.metrics_merge import merge_families
+
+_STALE_AFTER_S = 30.0
+
+
+@serve.deployment(name="EntropyController", num_replicas=1, max_ongoing_requests=1000,
+                  ray_actor_options={"num_cpus": 0})
+class EntropyController:
+    def __init__(self) -> None:
+        self._reports: dict[str, dict[str, Any]] = {}
+        self._received: dict[str, float] = {}
+        self._metrics: dict[str, list] = {}
+
+    def report(self, replica_id: str, report: dict[str, Any]) -> None:
+        now = time.time()
+        self._received[replica_id] = now
+        metrics = report.pop("metrics", None)
+        if metrics is not None:
+            self._metrics[replica_id] = metrics
+        report["lag_s"] = max(0.0, now - report.get("sent_at", now))
+        self._reports[replica_id] = report
+
+    def _live(self) -> list[str]:
+        cutoff = time.time() - _STALE_AFTER_S
+        return [r for r, t in self._received.items() if t >= cutoff]
+
+    def metric_families(self) -> list:
+        live = self._live()
+        return merge_families({r: self._metrics[r] for r in live if r in self._metrics})
+
+    def profiles(self) -> dict[str, Any]:
+        return {r: self._reports[r] for r in self._live()}

@@ -1,0 +1,1 @@
+"""Ray Serve applications: the OpenAI-compatible ingress and the app builders."""

@@ -1,0 +1,38 @@
+"""Serve application builder: ``import_path: deployments.app:build_app`` with ``args`` = AppConfig."""
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from controller.service import EntropyController
+from deployments.config import AppConfig
+from deployments.openai_api import OpenAIIngress
+from workers.replica import EntropicWorker
+
+
+def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
+    # Read by vLLM at import inside the replica process, before any engine code runs.
+    return {"env_vars": {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(config.engine.cpu_threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(config.engine.kv_cache_space_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+    }}
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    as_dict = config.model_dump()
+    controller = EntropyController.bind()
+    worker = EntropicWorker.options(
+        num_replicas=config.num_replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={
+            "num_cpus": config.num_cpus_per_replica,
+            "num_gpus": config.num_gpus_per_replica,
+            "runtime_env": worker_runtime_env(config),
+        },
+    ).bind(as_dict, controller)
+    return OpenAIIngress.bind(worker, controller, as_dict)

@@ -1,0 +1,70 @@
+"""Typed configuration of the Serve application, validated when the app is built.
+
+A Serve YAML config passes ``args`` to ``deployments.app:build_app``; those args are an
+``AppConfig``. Invalid values fail at start with pydantic's message naming the field.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.control_params import SamplingControl
+from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
+
+class EngineConfig(BaseModel):
+    """The subset of vLLM's EngineArgs we set, plus anything else in ``extra`` verbatim."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_model_len: int = Field(8192, ge=16)
+    max_num_seqs: int = Field(16, ge=1, le=1024)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    enforce_eager: bool = True
+    dtype: str = "auto"
+    block_size: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    kv_cache_space_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE in GiB (CPU only)")
+    cpu_threads: int = Field(1, ge=1, description="OpenMP threads of each replica's engine (CPU only)")
+    extra: dict[str, Any] = Field(default_factory=dict, description="more vllm EngineArgs, passed as given")
+
+    def engine_kwargs(self, model_path: str, served_model_name: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            served_model_name=served_model_name,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            dtype=self.dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+            disable_log_stats=False,
+        )
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
+        kwargs.update(self.extra)
+        return kwargs
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEFAULT_MODEL, description='"default" or a local Hugging Face model directory')
+    served_model_name: str | None = None
+    num_replicas: int = Field(1, ge=1, le=64)
+    max_ongoing_requests: int = Field(64, ge=1)
+    num_cpus_per_replica: float = Field(1.0, ge=0)
+    num_gpus_per_replica: float = Field(0.0, ge=0)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingControl = Field(default_factory=SamplingControl)
+    telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return DEFAULT_MODEL_NAME if self.model == DEFAULT_MODEL else self.model.rstrip("/").split("/")[-1]

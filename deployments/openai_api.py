@@ -1,0 +1,182 @@
+"""OpenAI-compatible HTTP ingress (FastAPI inside Ray Serve).
+
+Validates at the edge (400 with an OpenAI-style error object naming the field), forwards
+the parsed request to a worker replica as a stream of ``Delta`` items, and formats them as
+OpenAI responses: SSE ``data:`` lines ending with ``data: [DONE]``, or one JSON body.
+Every choice carries the ``entropic`` extension, which standard clients ignore.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from deployments import protocol as p
+from deployments.config import AppConfig
+from workers.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+app = FastAPI(title="entropic-serve", description="OpenAI-compatible API with entropy control")
+
+
+def _error(message: str, param: str | None = None, code: int = 400, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(p.error_body(message, param, code, kind), status_code=code)
+
+
+def _finite(values: list[float]) -> list[float | None]:
+    return [v if math.isfinite(v) else None for v in values]
+
+
+def _chunk_entropic(delta: Any) -> dict[str, Any]:
+    return {"entropy": _finite(delta.entropy), "temperature": _finite(delta.temperature),
+            "entropic_time": delta.entropic_time}
+
+
+def _sse(payload: Any) -> str:
+    body = payload.model_dump_json(exclude_unset=False) if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+def _usage(delta: Any) -> p.UsageInfo:
+    return p.UsageInfo(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+                       total_tokens=delta.prompt_tokens + delta.completion_tokens)
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, worker: Any, controller: Any, config: dict[str, Any]) -> None:
+        self.worker = worker
+        self.controller = controller
+        self.config = AppConfig.model_validate(config)
+        self.model_name = self.config.model_name
+
+    # --- plain endpoints ------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.worker.info.remote(), timeout=10)
+        except Exception as exc:
+            return _error(f"no healthy worker: {exc!r}", code=503, kind="ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        card = p.ModelCard(id=self.model_name, root=self.config.model, max_model_len=self.config.engine.max_model_len,
+                           owned_by="entropic-serve")
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        from controller.metrics_merge import render
+
+        families = await self.controller.metric_families.remote()
+        return Response(render(families), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/requests")
+    async def debug_requests(self) -> JSONResponse:
+        return JSONResponse(await self.controller.profiles.remote())
+
+    # --- generation -------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, raw: Request) -> Response:
+        return await self._generate("chat", raw)
+
+    @app.post("/v1/completions")
+    async def completions(self, raw: Request) -> Response:
+        return await self._generate("completion", raw)
+
+    async def _generate(self, kind: str, raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(f"the request body is not valid JSON: {exc}")
+        try:
+            request = p.parse_request(kind, body, self.model_name)
+        except InvalidRequest as exc:
+            return _error(exc.message, exc.param)
+        stream = self.worker.options(stream=True).generate.remote(kind, request, p.overrides(request))
+        try:
+            first = await stream.__anext__()
+        except InvalidRequest as exc:
+            return _error(exc.message, exc.param)
+        except StopAsyncIteration:
+            return _error("the engine produced no output", code=500, kind="InternalServerError")
+        except Exception as exc:
+            logger.exception("generation failed")
+            return _error(f"generation failed: {exc}", code=500, kind="InternalServerError")
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return StreamingResponse(
+                self._sse(kind, request_id, created, first, stream, include_usage), media_type="text/event-stream"
+            )
+        return await self._full(kind, request_id, created, first, stream)
+
+    async def _deltas(self, first: Any, stream: Any) -> AsyncIterator[Any]:
+        yield first
+        async for delta in stream:
+            yield delta
+
+    async def _sse(self, kind: str, rid: str, created: int, first: Any, stream: Any, include_usage: bool):
+        last = first
+        try:
+            if kind == "chat":
+                yield _sse(p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[
+                    p.ChatCompletionResponseStreamChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))]))
+            async for delta in self._deltas(first, stream):
+                last = delta
+                if kind == "chat":
+                    choice = p.ChatCompletionResponseStreamChoice(
+                        index=0, delta=p.DeltaMessage(content=delta.text), finish_reason=delta.finish_reason,
+                        entropic=_chunk_entropic(delta))
+                    chunk = p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+                else:
+                    choice = p.CompletionResponseStreamChoice(
+                        index=0, text=delta.text, finish_reason=delta.finish_reason, entropic=_chunk_entropic(delta))
+                    chunk = p.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+                yield _sse(chunk)
+            if include_usage:
+                cls = p.ChatCompletionStreamResponse if kind == "chat" else p.CompletionStreamResponse
+                yield _sse(cls(id=rid, created=created, model=self.model_name, choices=[], usage=_usage(last)))
+        except Exception as exc:  # mid-stream failure: tell the client in-band, then end the stream
+            logger.exception("stream failed")
+            yield _sse(p.error_body(f"generation failed: {exc}", None, 500, "InternalServerError"))
+        yield "data: [DONE]\n\n"
+
+    async def _full(self, kind: str, rid: str, created: int, first: Any, stream: Any) -> Response:
+        text, entropy, temperature = [], [], []
+        last = first
+        try:
+            async for delta in self._deltas(first, stream):
+                last = delta
+                text.append(delta.text)
+                entropy += delta.entropy
+                temperature += delta.temperature
+        except Exception as exc:
+            logger.exception("generation failed")
+            return _error(f"generation failed: {exc}", code=500, kind="InternalServerError")
+        entropic = {"entropy": _finite(entropy), "temperature": _finite(temperature),
+                    "entropic_time": last.entropic_time, "mean_entropy": last.mean_entropy,
+                    "entropy_variance": last.entropy_variance}
+        if kind == "chat":
+            choice = p.ChatCompletionResponseChoice(
+                index=0, message=p.ChatMessage(role="assistant", content="".join(text)),
+                finish_reason=last.finish_reason, entropic=entropic)
+            body = p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
+                                            usage=_usage(last))
+        else:
+            choice = p.CompletionResponseChoice(index=0, text="".join(text), finish_reason=last.finish_reason,
+                                                entropic=entropic)
+            body = p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
+                                        usage=_usage(last))
+        return JSONResponse(body.model_dump(mode="json"))

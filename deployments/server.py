@@ -1,0 +1,77 @@
+"""Start the application on a local Ray cluster: ``python -m deployments.server [--model PATH]``.
+
+For a Serve YAML config (``serve run config.yaml``) use ``import_path: deployments.app:build_app``
+with ``args`` shaped like ``deployments.config.AppConfig``; this command is the shortcut.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import yaml
+from pydantic import ValidationError
+
+from deployments.config import AppConfig
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, AppConfig]:
+    parser = argparse.ArgumentParser(description="OpenAI-compatible entropic-time LLM server on Ray Serve")
+    parser.add_argument("--model", help='"default" (SmolLM2-135M-Instruct) or a local Hugging Face model directory')
+    parser.add_argument("--config", help="YAML/JSON file with AppConfig fields (or a Serve config's application args)")
+    parser.add_argument("--num-replicas", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--num-cpus", type=int, default=os.cpu_count())
+    args = parser.parse_args(argv)
+    raw: dict = {}
+    if args.config:
+        with open(args.config) as f:
+            raw = yaml.safe_load(f) or {}
+        if "applications" in raw:  # a Serve config file: take the first application's args
+            raw = raw["applications"][0].get("args", {})
+    if args.model:
+        raw["model"] = args.model
+    if args.num_replicas:
+        raw["num_replicas"] = args.num_replicas
+    if args.max_model_len:
+        raw.setdefault("engine", {})["max_model_len"] = args.max_model_len
+    try:
+        return args, AppConfig.model_validate(raw)
+    except ValidationError as exc:
+        parser.error(f"invalid configuration:\n{exc}")
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from workers.model_store import ModelPreparationError, resolve_model
+
+    try:
+        resolve_model(config.model)  # fail fast (and convert once) before any replica starts
+    except ModelPreparationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(config), name="entropic", route_prefix="/")
+    base = f"http://{args.host}:{args.port}"
+    print(json.dumps({"ready": base, "openai_base_url": f"{base}/v1", "metrics": f"{base}/metrics",
+                      "model": config.model_name}), flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

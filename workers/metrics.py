@@ -1,0 +1,61 @@
+"""Entropic Prometheus metrics of one replica, next to the ``vllm:*`` metrics vLLM records.
+
+vLLM's own stat loggers record the request metrics (TTFT, inter-token latency, end-to-end
+latency, prompt/generation tokens, running/waiting requests, KV-cache usage) into this
+process's default registry; we add the ``entropic_*`` series there too. The replica ships
+the whole registry to the controller, and the ingress serves the merged view at /metrics.
+"""
+from __future__ import annotations
+
+import math
+
+from prometheus_client import REGISTRY, Counter, Histogram
+
+_ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 11.0)
+_TEMPERATURE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
+_TAU_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+_SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+
+class ReplicaMetrics:
+    def __init__(self, model_name: str) -> None:
+        labels = ["model_name"]
+        self._entropy = Histogram(
+            "entropic_token_entropy_nats", "Entropy estimate H_t of each generated token's distribution",
+            labels, buckets=_ENTROPY_BUCKETS,
+        ).labels(model_name)
+        self._temperature = Histogram(
+            "entropic_token_temperature", "Sampling temperature T_t of each generated token (0: greedy)",
+            labels, buckets=_TEMPERATURE_BUCKETS,
+        ).labels(model_name)
+        self._tau = Histogram(
+            "entropic_request_entropic_time_nats", "Entropic time tau (sum of positive entropy drops) per finished request",
+            labels, buckets=_TAU_BUCKETS,
+        ).labels(model_name)
+        self._estimator = Histogram(
+            "entropic_estimator_seconds", "Time spent estimating entropy in one engine step",
+            labels, buckets=_SECONDS_BUCKETS,
+        ).labels(model_name)
+        self._step = Histogram(
+            "entropic_engine_step_seconds", "Wall time of one engine step", labels, buckets=_SECONDS_BUCKETS,
+        ).labels(model_name)
+        self._tokens = Counter(
+            "entropic_tokens", "Generated tokens that carried entropy telemetry", labels,
+        ).labels(model_name)
+
+    def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list) -> None:
+        self._step.observe(step_seconds)
+        self._estimator.observe(estimator_seconds)
+        for delta in deltas:
+            for h, t in zip(delta.entropy, delta.temperature):
+                if not math.isnan(h):
+                    self._entropy.observe(h)
+                    self._temperature.observe(t)
+                    self._tokens.inc()
+            if delta.finished:
+                self._tau.observe(delta.entropic_time)
+
+
+def snapshot() -> list:
+    """All metric families of this process, picklable, for shipping to the controller."""
+    return list(REGISTRY.collect())

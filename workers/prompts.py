@@ -1,0 +1,89 @@
+"""Turn a validated OpenAI request into engine input: prompt token ids and SamplingParams.
+
+Adapter over vLLM's protocol models (vllm 0.32.0): ``to_sampling_params`` applies the
+request's fields over the model's generation-config defaults, as vLLM's OpenAI server does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from workers.control_params import SamplingControl
+from workers.errors import InvalidRequest
+from workers.sampling import EXTRA_ARGS_KEY
+
+_GREEDY_EPS = 1e-5
+
+
+def _message_text(message: dict[str, Any], index: int) -> dict[str, str]:
+    content = message.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRequest("only text content parts are supported", f"messages[{index}].content")
+            parts.append(str(part.get("text", "")))
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise InvalidRequest("message content must be a string", f"messages[{index}].content")
+    return {"role": str(message.get("role", "user")), "content": content}
+
+
+def prompt_token_ids(kind: str, request: Any, tokenizer: Any) -> list[int]:
+    if kind == "chat":
+        messages = [_message_text(dict(m), i) for i, m in enumerate(request.messages)]
+        kwargs = dict(request.chat_template_kwargs or {})
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs
+        )
+        return tokenizer.encode(rendered, add_special_tokens=False)
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        vocab = len(tokenizer)
+        if any(t >= vocab for t in prompt):
+            raise InvalidRequest(f"token ids must be below the vocabulary size {vocab}", "prompt")
+        return list(prompt)
+    raise InvalidRequest("prompt must be one non-empty string or one list of token ids", "prompt")
+
+
+def sampling_params(
+    kind: str,
+    request: Any,
+    prompt_len: int,
+    max_model_len: int,
+    generation_defaults: dict[str, Any],
+    control: SamplingControl,
+    key: str,
+) -> Any:
+    from vllm.sampling_params import RequestOutputKind
+
+    room = max_model_len - prompt_len
+    param = "messages" if kind == "chat" else "prompt"
+    if room <= 0:
+        raise InvalidRequest(
+            f"the prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens", param
+        )
+    requested = request.max_completion_tokens if kind == "chat" else None
+    requested = requested if requested is not None else request.max_tokens
+    if requested is not None and requested > room:
+        raise InvalidRequest(
+            f"max_tokens={requested} with a {prompt_len}-token prompt exceeds the {max_model_len}-token context",
+            "max_tokens",
+        )
+    try:
+        params = request.to_sampling_params(requested if requested is not None else room, generation_defaults)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from exc
+    params.output_kind = RequestOutputKind.DELTA
+    requested_temperature = params.temperature
+    if control.enabled and requested_temperature >= _GREEDY_EPS:
+        params.temperature = 1.0  # the logits processor applies the whole controlled temperature
+    extra = dict(params.extra_args or {})
+    extra[EXTRA_ARGS_KEY] = control.engine_args(key, requested_temperature)
+    params.extra_args = extra
+    return params
