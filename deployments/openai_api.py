@@ -103,6 +103,9 @@ class OpenAIIngress:
             request = p.parse_request(kind, body, self.model_name)
         except InvalidRequest as exc:
             return _error(exc.message, exc.param)
+        except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
+            logger.exception("request validation failed")
+            return _error(f"invalid request: {exc}")
         stream = self.worker.options(stream=True).generate.remote(kind, request, p.overrides(request))
         try:
             first = await stream.__anext__()

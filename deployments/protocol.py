@@ -33,6 +33,8 @@ from vllm.entrypoints.serve.engine.protocol import (  # noqa: F401
     UsageInfo,
 )
 
+from vllm.exceptions import VLLMValidationError
+
 from workers.control_params import SamplingControl
 from workers.errors import InvalidRequest
 
@@ -82,7 +84,7 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvalidRequest(f"{_loc(first)}: {first['msg']}", _loc(first)) from None
-    except ValueError as exc:  # vLLM's own model validators
+    except (ValueError, VLLMValidationError) as exc:  # vLLM's own model validators
         raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from None
     if request.model is not None and request.model != served_model:
         raise InvalidRequest(f"the model `{request.model}` does not exist; this server serves `{served_model}`", "model")

@@ -60,6 +60,7 @@ def sampling_params(
     control: SamplingControl,
     key: str,
 ) -> Any:
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import RequestOutputKind
 
     room = max_model_len - prompt_len
@@ -77,8 +78,8 @@ def sampling_params(
         )
     try:
         params = request.to_sampling_params(requested if requested is not None else room, generation_defaults)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from exc
+    except (ValueError, VLLMValidationError) as exc:
+        raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from None
     params.output_kind = RequestOutputKind.DELTA
     requested_temperature = params.temperature
     if control.enabled and requested_temperature >= _GREEDY_EPS:

@@ -1,0 +1,102 @@
+"""Session fixtures: the default model, its real logits, and one real Serve application.
+
+The application (two worker replicas, each owning a real vLLM engine on the default model,
+plus the controller and the ingress) starts once per test session on a local Ray cluster.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+TEST_APP_CONFIG = {
+    "num_replicas": 2,
+    "num_cpus_per_replica": 1,
+    "engine": {"max_model_len": 8192, "max_num_seqs": 16, "kv_cache_space_gib": 1, "cpu_threads": 1},
+    "telemetry_period_s": 0.05,
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from workers.model_store import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """The default model in transformers (float32), for real logits in pure-math tests."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def real_logits(hf_model):
+    """Next-token logits at every position of a real paragraph, shape [positions, vocab]."""
+    import torch
+
+    model, tokenizer = hf_model
+    text = (
+        "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+        "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+        "from 1887 to 1889. Locally nicknamed 'La dame de fer', it was constructed as the centrepiece "
+        "of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution."
+    )
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(ids).logits[0].float()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(model_dir):
+    """Base URL of the running application."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(TEST_APP_CONFIG), name="entropic", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while httpx.get(f"{base}/health", timeout=30).status_code != 200:
+            assert time.time() < deadline, "server never became healthy"
+            time.sleep(1)
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def served_model(client) -> str:
+    return client.models.list().data[0].id

@@ -1,0 +1,61 @@
+"""Typed configuration: defaults, validation errors that name the field, Serve YAML loading."""
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deployments.config import AppConfig
+from deployments.server import parse_args
+from workers.control_params import SamplingControl
+
+
+def test_defaults_serve_the_default_model():
+    config = AppConfig()
+    assert config.model == "default" and config.model_name == "SmolLM2-135M-Instruct"
+    assert config.engine.engine_kwargs("/m", "name")["disable_log_stats"] is False
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"num_replicas": 0}, "num_replicas"),
+    ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs"),
+    ({"sampling": {"estimator": "guess"}}, "sampling.estimator"),
+    ({"sampling": {"t_min": 2.0, "t_max": 1.0}}, "sampling"),
+    ({"no_such_option": 1}, "no_such_option"),
+])
+def test_invalid_values_name_the_field(raw, field):
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate(raw)
+    assert field in str(info.value)
+
+
+def test_request_overrides_merge_over_defaults():
+    defaults = SamplingControl(target_entropy=2.0, t_max=3.0)
+    merged = defaults.merged({"target_entropy": 1.0})
+    assert merged.target_entropy == 1.0 and merged.t_max == 3.0
+    with pytest.raises(ValidationError):
+        defaults.merged({"t_min": 3.5})
+
+
+def test_serve_config_file_loads_into_the_typed_config(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"applications": [{
+        "name": "entropic", "import_path": "deployments.app:build_app", "route_prefix": "/",
+        "args": {"num_replicas": 2, "sampling": {"target_entropy": 1.5}, "engine": {"max_model_len": 4096}},
+    }]}))
+    _, config = parse_args(["--config", str(path)])
+    assert config.num_replicas == 2 and config.sampling.target_entropy == 1.5
+    assert config.engine.max_model_len == 4096
+
+
+def test_command_line_rejects_invalid_config(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("num_replicas: -1\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(path)])
+    assert "num_replicas" in capsys.readouterr().err
+
+
+def test_model_store_rejects_a_path_without_a_model(tmp_path):
+    from workers.model_store import ModelPreparationError, resolve_model
+
+    with pytest.raises(ModelPreparationError, match="no config.json"):
+        resolve_model(str(tmp_path))

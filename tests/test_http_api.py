@@ -1,0 +1,199 @@
+"""End to end through Ray Serve with the official openai client: real engines, default model."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import re
+
+import httpx
+import openai
+import pytest
+
+from controller.laws.entropic_time import entropic_time
+
+FACT_PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+def _entropic(obj) -> dict:
+    return obj.model_extra["entropic"]
+
+
+def _assert_consistent(entropic: dict, n_tokens: int) -> None:
+    assert len(entropic["entropy"]) == len(entropic["temperature"]) == n_tokens
+    assert all(h is not None and h >= 0 for h in entropic["entropy"])
+    assert entropic["entropic_time"] == pytest.approx(entropic_time(entropic["entropy"]), abs=1e-6)
+
+
+def test_models_and_health(server, client, served_model):
+    assert served_model == "SmolLM2-135M-Instruct"
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_chat_non_stream_greedy_answers_and_carries_telemetry(client, served_model):
+    out = client.chat.completions.create(model=served_model, messages=FACT_PROMPT, max_tokens=8, temperature=0)
+    choice = out.choices[0]
+    assert "paris" in choice.message.content.lower()
+    entropic = _entropic(choice)
+    _assert_consistent(entropic, out.usage.completion_tokens)
+    assert entropic["temperature"] == [0.0] * out.usage.completion_tokens  # greedy: untouched
+    hs = entropic["entropy"]
+    assert entropic["mean_entropy"] == pytest.approx(sum(hs) / len(hs))
+    assert entropic["entropy_variance"] == pytest.approx(sum((h - sum(hs) / len(hs)) ** 2 for h in hs) / len(hs))
+
+
+def test_chat_stream_with_usage(client, served_model):
+    stream = client.chat.completions.create(
+        model=served_model, messages=FACT_PROMPT, max_tokens=12, stream=True, seed=1,
+        stream_options={"include_usage": True}, extra_body={"entropic": {"target_entropy": 1.5, "eta": 0.4}},
+    )
+    text, entropy, temperature, taus, usage, finish = "", [], [], [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            extra = (choice.model_extra or {}).get("entropic")
+            if extra:
+                entropy += extra["entropy"]
+                temperature += extra["temperature"]
+                taus.append(extra["entropic_time"])
+                assert extra["entropic_time"] == pytest.approx(entropic_time(entropy), abs=1e-6)
+    assert usage is not None and usage.completion_tokens == len(entropy) == len(temperature) > 0
+    assert finish in ("stop", "length") and text
+    assert taus == sorted(taus)  # tau never decreases
+    assert temperature[0] == 1.0 and all(0.1 <= t <= 2.0 for t in temperature)
+
+
+def test_completion_non_stream_and_stream(client, served_model):
+    out = client.completions.create(model=served_model, prompt="The capital of France is", max_tokens=6,
+                                    temperature=0)
+    assert "Paris" in out.choices[0].text
+    _assert_consistent(_entropic(out.choices[0]), out.usage.completion_tokens)
+    chunks = list(client.completions.create(model=served_model, prompt="The capital of France is", max_tokens=6,
+                                            temperature=0, stream=True))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == out.choices[0].text
+    entropy = [h for c in chunks for h in _entropic(c.choices[0])["entropy"]]
+    assert entropy == pytest.approx(_entropic(out.choices[0])["entropy"], abs=1e-3)
+
+
+def test_sse_wire_format(server, served_model):
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=120, json={
+        "model": served_model, "prompt": "Hello", "max_tokens": 3, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        json.loads(line[len("data: "):])
+
+
+def _mean_entropy_after_warmup(client, model, entropic: dict, temperature: float, warmup: int = 32) -> float:
+    def one(seed: int) -> list[float]:
+        out = client.completions.create(
+            model=model, prompt="Write a long story about a dragon and a knight.", max_tokens=200, seed=seed,
+            temperature=temperature, extra_body={"ignore_eos": True, "entropic": entropic})
+        return _entropic(out.choices[0])["entropy"][warmup:]
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        values = [h for hs in pool.map(one, [11, 12, 13]) for h in hs]
+    return sum(values) / len(values)
+
+
+CONVERGENCE = {"eta": 0.3, "t_min": 0.05, "t_max": 5.0, "max_log_step": 10.0}
+
+
+@pytest.mark.parametrize("target", [1.0, 4.0])
+def test_temperature_law_converges_on_the_serving_path(client, served_model, target):
+    mean = _mean_entropy_after_warmup(client, served_model, {**CONVERGENCE, "target_entropy": target}, 1.0)
+    assert abs(mean - target) < 0.15, mean
+
+
+def test_fixed_temperature_baseline_does_not_converge(client, served_model):
+    mean = _mean_entropy_after_warmup(client, served_model, {"enabled": False}, 1.0)
+    for target in (1.0, 4.0):
+        assert abs(mean - target) > 0.15, mean
+
+
+def _metric_values(text: str, name: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line.rsplit(" ", 1)
+            values[labels] = float(value)
+    return values
+
+
+def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, client, served_model):
+    client.completions.create(model=served_model, prompt="Hi", max_tokens=4)
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    running = _metric_values(text, "vllm:num_requests_running")
+    assert len({re.search(r'replica="([^"]+)"', k).group(1) for k in running}) == 2, running
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:num_requests_waiting",
+                 "entropic_token_entropy_nats_count", "entropic_token_temperature_count",
+                 "entropic_request_entropic_time_nats_count", "entropic_estimator_seconds_count",
+                 "entropic_engine_step_seconds_count"):
+        assert _metric_values(text, name), name
+    assert sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0
+
+
+BAD_REQUESTS = [
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"model": "no-such-model", "messages": FACT_PROMPT}, "model"),
+    ("chat", {"messages": FACT_PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("completion", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ("chat", {"messages": FACT_PROMPT, "temperature": -0.5}, "temperature"),
+    ("completion", {"prompt": "hello " * 9000, "max_tokens": 4}, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
+    ("completion", {"prompt": "hello", "max_tokens": 8192}, "max_tokens"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"eta": "fast"}}, "entropic.eta"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"target_entropy": -1}}, "entropic.target_entropy"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"estimator": "magic"}}, "entropic.estimator"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"t_min": 3.0, "t_max": 1.0}}, "entropic"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"unknown": 1}}, "entropic.unknown"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": [1, 2]}, "entropic"),
+    ("completion", {"prompt": ""}, "prompt"),
+    ("chat", {"messages": "not a list"}, "messages"),
+]
+
+
+@pytest.mark.parametrize("kind,body,param", BAD_REQUESTS, ids=[f"{b[0]}-{b[2]}-{i}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_400_naming_the_field(server, kind, body, param):
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    response = httpx.post(f"{server}{path}", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == 400 and error["message"]
+    assert error["param"] == param or (error["param"] or "").startswith(param + "."), error
+
+
+def test_malformed_json_gets_400(server):
+    response = httpx.post(f"{server}/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "BadRequestError"
+
+
+def test_openai_client_raises_bad_request(client, served_model):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=served_model, messages=FACT_PROMPT, max_tokens=0)
+
+
+def test_bad_requests_do_not_disturb_a_concurrent_stream(server, client, served_model):
+    def good() -> str:
+        stream = client.completions.create(model=served_model, prompt="Count: one, two,", max_tokens=40,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        future = pool.submit(good)
+        codes = [httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).status_code
+                 for _, body, _ in BAD_REQUESTS[:6] for _ in range(2)]
+        text = future.result(timeout=300)
+    assert set(codes) == {400}
+    assert len(text) > 0
+    assert httpx.get(f"{server}/health").status_code == 200
