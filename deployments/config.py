@@ -22,7 +22,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, le=1024)
     max_num_batched_tokens: int | None = Field(None, ge=16)
     enforce_eager: bool = True
-    dtype: str = "auto"
+    dtype: str = Field("auto", description='"auto": the model\'s dtype, but float32 on CPUs without native bf16')
     block_size: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -30,14 +30,16 @@ class EngineConfig(BaseModel):
     cpu_threads: int = Field(1, ge=1, description="OpenMP threads of each replica's engine (CPU only)")
     extra: dict[str, Any] = Field(default_factory=dict, description="more vllm EngineArgs, passed as given")
 
-    def engine_kwargs(self, model_path: str, served_model_name: str) -> dict[str, Any]:
+    def engine_kwargs(self, model_path: str, served_model_name: str, on_gpu: bool = False) -> dict[str, Any]:
+        from workers.hardware import resolve_dtype
+
         kwargs: dict[str, Any] = dict(
             model=model_path,
             served_model_name=served_model_name,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             enforce_eager=self.enforce_eager,
-            dtype=self.dtype,
+            dtype=resolve_dtype(self.dtype, on_gpu),
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             disable_log_stats=False,

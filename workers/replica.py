@@ -36,7 +36,8 @@ class EntropicWorker:
         model_path = str(resolve_model(self.config.model))
         self.metrics = ReplicaMetrics(self.config.model_name)
         self.runner = EngineRunner(
-            self.config.engine.engine_kwargs(model_path, self.config.model_name),
+            self.config.engine.engine_kwargs(model_path, self.config.model_name,
+                                             on_gpu=self.config.num_gpus_per_replica > 0),
             on_step=self.metrics.observe_step,
         )
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()

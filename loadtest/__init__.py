@@ -1,0 +1,1 @@
+"""Load tests (Locust) and benchmark harnesses; results go to docs/."""

@@ -1,0 +1,26 @@
+"""Describe the machine a benchmark ran on (so published figures say where they come from)."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+
+def describe() -> dict[str, str | int]:
+    cpu = platform.processor() or ""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        mem_gib = 0
+    import torch
+    import vllm
+
+    return {"cpu": cpu, "cores": os.cpu_count() or 0, "memory_gib": mem_gib,
+            "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}

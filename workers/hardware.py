@@ -1,0 +1,25 @@
+"""Facts about the machine that change how the engine should be configured."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16: without them vLLM's CPU path emulates bf16 math.
+
+    Measured on a 2-core AVX2-only AMD EPYC: a batch-16 decode step of SmolLM2-135M took
+    ~300 ms in bf16 and ~95 ms in float32.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_dtype(requested: str, on_gpu: bool) -> str:
+    if requested != "auto" or on_gpu:
+        return requested
+    return "auto" if cpu_has_native_bf16() else "float32"
