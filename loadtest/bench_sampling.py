@@ -46,13 +46,15 @@ def _run_batch(engine, make_params, prompts, processor=None) -> dict:
         engine.add_request(rid, {"prompt_token_ids": tokenizer.encode(ids, add_special_tokens=False)},
                            make_params(rid, i))
         arrivals[rid] = time.perf_counter()
-    steps, estimator_shares, tokens = 0, [], 0
+    steps, estimator_shares, tokens, step_times = 0, [], 0, []
     while engine.has_unfinished_requests():
         est0 = processor.estimator_seconds if processor else 0.0
         t0 = time.perf_counter()
         outputs = engine.step()
         t1 = time.perf_counter()
         steps += 1
+        if all(len(o.outputs[0].token_ids) <= 1 for o in outputs) and len(outputs) == len(prompts):
+            step_times.append(t1 - t0)  # a pure decode step of the full batch
         if processor is not None and t1 > t0:
             estimator_shares.append((processor.estimator_seconds - est0) / (t1 - t0))
         for out in outputs:
@@ -78,6 +80,7 @@ def _run_batch(engine, make_params, prompts, processor=None) -> dict:
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": steps,
             "ttft_s": st.median(first.values()), "itl_s": st.median(gaps) if gaps else 0.0,
             "e2e_s": st.median(last[r] - arrivals[r] for r in last),
+            "decode_step_s": st.median(step_times) if step_times else 0.0,
             "estimator_share": st.median(estimator_shares) if estimator_shares else 0.0}
 
 
@@ -132,19 +135,25 @@ def main(argv: list[str] | None = None) -> int:
     for name, (engine, make, proc) in configs.items():  # warm-up, not measured
         _run_batch(engine, make, prompts[:2], proc)
     rounds: dict[str, list[dict]] = {name: [] for name in configs}
+    names = list(configs)
     for r in range(args.rounds):
-        for name, (engine, make, proc) in configs.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no config always goes first
+            engine, make, proc = configs[name]
             rounds[name].append(_run_batch(engine, make, prompts, proc))
             print(f"round {r + 1}/{args.rounds} {name:8s} {rounds[name][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
 
     def med(name: str, key: str) -> float:
         return st.median(x[key] for x in rounds[name])
 
-    summary = {name: {k: med(name, k) for k in ("tokens_per_s", "ttft_s", "itl_s", "e2e_s", "estimator_share")}
-               for name in configs}
-    ratios = {name: {"throughput": summary[name]["tokens_per_s"] / summary["plain"]["tokens_per_s"],
-                     "e2e_latency": summary[name]["e2e_s"] / summary["plain"]["e2e_s"],
-                     "itl": summary[name]["itl_s"] / summary["plain"]["itl_s"]}
+    keys = ("tokens_per_s", "ttft_s", "itl_s", "e2e_s", "decode_step_s", "estimator_share")
+    summary = {name: {k: med(name, k) for k in keys} for name in configs}
+
+    def paired(name: str, key: str) -> float:
+        # Ratio within each round (same minute of machine noise), then the median over rounds.
+        return st.median(x[key] / p[key] for x, p in zip(rounds[name], rounds["plain"]))
+
+    ratios = {name: {"throughput": paired(name, "tokens_per_s"), "e2e_latency": paired(name, "e2e_s"),
+                     "itl": paired(name, "itl_s"), "decode_step": paired(name, "decode_step_s")}
               for name in configs if name != "plain"}
     result = {"command": "python -m loadtest.bench_sampling " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe(),
@@ -165,13 +174,16 @@ def _markdown(result: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; "
         f"torch {m['torch']}, vllm {m['vllm']}; {s['threads']} engine threads, dtype {result['dtype']}.", "",
         f"Batch {s['batch']} requests x {s['max_tokens']} tokens (ignore_eos), estimator `{s['estimator']}`, "
-        f"medians over {s['rounds']} interleaved rounds.", "",
-        "| configuration | tokens/s | throughput vs plain | TTFT (s) | ITL (ms) | e2e (s) | e2e vs plain | estimator share of step |",
-        "|---|---|---|---|---|---|---|---|",
+        f"medians over {s['rounds']} interleaved rounds (order rotated each round); ratios to plain are taken within each round, then the median.", "",
+        "| configuration | tokens/s | throughput vs plain | decode step (ms) | step vs plain | TTFT (s) | ITL (ms) "
+        "| e2e (s) | e2e vs plain | estimator share of step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    one = {"throughput": 1.0, "e2e_latency": 1.0, "decode_step": 1.0}
     for name, row in result["median"].items():
-        ratio = result["ratio_to_plain"].get(name, {"throughput": 1.0, "e2e_latency": 1.0})
-        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {ratio['throughput']:.3f} | {row['ttft_s']:.3f} | "
+        ratio = result["ratio_to_plain"].get(name, one)
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {ratio['throughput']:.3f} | "
+                     f"{1e3 * row['decode_step_s']:.1f} | {ratio['decode_step']:.3f} | {row['ttft_s']:.3f} | "
                      f"{1e3 * row['itl_s']:.1f} | {row['e2e_s']:.2f} | {ratio['e2e_latency']:.3f} | "
                      f"{100 * row['estimator_share']:.2f}% |")
     lines += ["", "Goal (issue): sampling control costs <= 3% throughput at batch 16; estimator <= 2% of step time.", ""]

@@ -1,0 +1,95 @@
+"""The logits processor's bookkeeping with vLLM's real BatchUpdate/SamplingParams classes.
+
+No engine here: batches are built the way vLLM's input batch builds them, and logits are
+synthetic rows with known entropies. The engine-level behaviour is covered end to end in
+test_http_api.py.
+"""
+import math
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from kernels.entropy import exact_entropy
+from workers.control_params import SamplingControl
+from workers.sampling import EXTRA_ARGS_KEY, EntropicLogitsProcessor
+
+VOCAB = 64
+
+
+def params(key: str, temperature: float = 1.0, **control) -> SamplingParams:
+    cfg = SamplingControl(**control).engine_args(key, temperature)
+    return SamplingParams(temperature=1.0 if temperature > 0 else 0.0, extra_args={EXTRA_ARGS_KEY: cfg})
+
+
+def update(added=(), removed=(), moved=()) -> BatchUpdate:
+    return BatchUpdate(batch_size=8, removed=list(removed), added=list(added), moved=list(moved))
+
+
+def flat_logits(rows: int) -> torch.Tensor:
+    return torch.zeros(rows, VOCAB)  # uniform: entropy log(VOCAB) at any temperature
+
+
+def test_control_row_is_scaled_and_temperature_follows_the_law():
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    out_ids: list[int] = []
+    lp.update_state(update(added=[(0, params("a", 1.0, target_entropy=2.0, eta=0.5, max_log_step=10), None, out_ids)]))
+    logits = torch.randn(1, VOCAB)
+    expected_h = float(exact_entropy(logits)[0])
+    lp.apply(logits.clone())
+    (h, t), = lp.records("a")
+    assert h == pytest.approx(expected_h, abs=1e-5) and t == 1.0
+    out_ids.append(5)
+    z = torch.randn(1, VOCAB)
+    result = lp.apply(z.clone())
+    t_expected = math.exp(-0.5 * (expected_h - 2.0))
+    assert lp.records("a")[1][1] == pytest.approx(t_expected)
+    assert torch.allclose(result, z / t_expected)
+
+
+def test_rerun_at_the_same_position_overwrites_instead_of_appending():
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    out_ids: list[int] = []
+    lp.update_state(update(added=[(0, params("a"), None, out_ids)]))
+    lp.apply(torch.randn(1, VOCAB))
+    lp.apply(torch.randn(1, VOCAB))  # a discarded partial-prefill sample: same position
+    assert len(lp.records("a")) == 1
+
+
+def test_greedy_rows_are_untouched_but_measured():
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    lp.update_state(update(added=[(0, params("g", 0.0), None, [])]))
+    z = torch.randn(1, VOCAB)
+    assert torch.equal(lp.apply(z.clone()), z)
+    (h, t), = lp.records("g")
+    assert t == 0.0 and h == pytest.approx(float(exact_entropy(z)[0]), abs=1e-5)
+
+
+def test_state_follows_the_request_through_moves_swaps_and_preemption():
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    a_ids, b_ids = [], []
+    pa, pb = params("a", target_entropy=1.0, eta=0.5), params("b", target_entropy=5.0, eta=0.5)
+    lp.update_state(update(added=[(0, pa, None, a_ids), (1, pb, None, b_ids)]))
+    lp.apply(flat_logits(2))
+    a_ids.append(1), b_ids.append(1)
+    lp.update_state(update(moved=[(0, 1, MoveDirectionality.SWAP)]))
+    lp.apply(flat_logits(2))
+    ta, tb = lp.records("a")[1][1], lp.records("b")[1][1]
+    assert ta < 1.0 < tb  # a wants less entropy than log(64), b more
+    # preempted (removed), then re-added at another index: the controller state survives
+    lp.update_state(update(removed=[1]))
+    lp.apply(flat_logits(1))
+    a_ids.append(2)
+    lp.update_state(update(added=[(3, pa, None, a_ids)]))
+    lp.apply(flat_logits(4))
+    assert len(lp.records("a")) == 3 and lp.records("a")[2][1] < ta
+    lp.forget("a")
+    assert lp.records("a") == []
+
+
+def test_requests_without_our_args_are_ignored():
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    lp.update_state(update(added=[(0, SamplingParams(temperature=0.7), None, [])]))
+    z = torch.randn(1, VOCAB)
+    assert torch.equal(lp.apply(z.clone()), z)
