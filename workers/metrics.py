@@ -19,29 +19,20 @@ _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.
 
 class ReplicaMetrics:
     def __init__(self, model_name: str) -> None:
-        labels = ["model_name"]
-        self._entropy = Histogram(
-            "entropic_token_entropy_nats", "Entropy estimate H_t of each generated token's distribution",
-            labels, buckets=_ENTROPY_BUCKETS,
-        ).labels(model_name)
-        self._temperature = Histogram(
-            "entropic_token_temperature", "Sampling temperature T_t of each generated token (0: greedy)",
-            labels, buckets=_TEMPERATURE_BUCKETS,
-        ).labels(model_name)
-        self._tau = Histogram(
-            "entropic_request_entropic_time_nats", "Entropic time tau (sum of positive entropy drops) per finished request",
-            labels, buckets=_TAU_BUCKETS,
-        ).labels(model_name)
-        self._estimator = Histogram(
-            "entropic_estimator_seconds", "Time spent estimating entropy in one engine step",
-            labels, buckets=_SECONDS_BUCKETS,
-        ).labels(model_name)
-        self._step = Histogram(
-            "entropic_engine_step_seconds", "Wall time of one engine step", labels, buckets=_SECONDS_BUCKETS,
-        ).labels(model_name)
-        self._tokens = Counter(
-            "entropic_tokens", "Generated tokens that carried entropy telemetry", labels,
-        ).labels(model_name)
+        def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
+            return Histogram(name, documentation, ["model_name"], buckets=buckets).labels(model_name)
+
+        self._entropy = histogram("entropic_token_entropy_nats",
+                                  "Entropy estimate H_t of each generated token's distribution", _ENTROPY_BUCKETS)
+        self._temperature = histogram("entropic_token_temperature",
+                                      "Sampling temperature T_t of each generated token (0: greedy)", _TEMPERATURE_BUCKETS)
+        self._tau = histogram("entropic_request_entropic_time_nats",
+                              "Entropic time tau (sum of positive entropy drops) per finished request", _TAU_BUCKETS)
+        self._estimator = histogram("entropic_estimator_seconds",
+                                    "Time spent estimating entropy in one engine step", _SECONDS_BUCKETS)
+        self._step = histogram("entropic_engine_step_seconds", "Wall time of one engine step", _SECONDS_BUCKETS)
+        self._tokens = Counter("entropic_tokens", "Generated tokens that carried entropy telemetry",
+                               ["model_name"]).labels(model_name)
 
     def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list) -> None:
         self._step.observe(step_seconds)
