@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test model bench
+.PHONY: install serve test model bench prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -28,8 +28,15 @@ model: install
 serve: model
 	$(PY) -m deployments.server $(ARGS)
 
-test: model
+# The dashboard test runs a real Prometheus server: Debian's package (needs root/apt, as on CI).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: model prometheus
 	$(PY) -m pytest $(ARGS)
+
+dashboards:
+	$(PY) -m monitoring.dashboards
 
 bench: model
 	$(PY) -m loadtest.bench_sampling $(ARGS)

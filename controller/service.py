@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray import serve
 
 from controller.metrics_merge import merge_families
@@ -24,6 +25,11 @@ class EntropyController:
         self._reports: dict[str, dict[str, Any]] = {}
         self._received: dict[str, float] = {}
         self._metrics: dict[str, list] = {}
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._lag = Histogram("entropic_telemetry_lag_seconds", "Delay from a replica sending telemetry to the controller receiving it",
+                              buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3), registry=self._registry)
+        self._report_count = Counter("entropic_telemetry_reports", "Telemetry reports received from replicas",
+                                     registry=self._registry)
 
     def report(self, replica_id: str, report: dict[str, Any]) -> None:
         now = time.time()
@@ -32,6 +38,8 @@ class EntropyController:
         if metrics is not None:
             self._metrics[replica_id] = metrics
         report["lag_s"] = max(0.0, now - report.get("sent_at", now))
+        self._lag.observe(report["lag_s"])
+        self._report_count.inc()
         self._reports[replica_id] = report
 
     def _live(self) -> list[str]:
@@ -39,8 +47,9 @@ class EntropyController:
         return [r for r, t in self._received.items() if t >= cutoff]
 
     def metric_families(self) -> list:
-        live = self._live()
-        return merge_families({r: self._metrics[r] for r in live if r in self._metrics})
+        """Every live replica's families plus the controller's own (labelled replica="controller")."""
+        live = {r: self._metrics[r] for r in self._live() if r in self._metrics}
+        return merge_families({**live, "controller": list(self._registry.collect())})
 
     def profiles(self) -> dict[str, Any]:
         return {r: self._reports[r] for r in self._live()}

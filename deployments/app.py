@@ -26,9 +26,13 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     as_dict = config.model_dump()
     controller = EntropyController.bind()
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": config.autoscaling.model_dump()} if config.autoscaling
+        else {"num_replicas": config.num_replicas})
     worker = EntropicWorker.options(
-        num_replicas=config.num_replicas,
+        **scaling,
         max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
         ray_actor_options={
             "num_cpus": config.num_cpus_per_replica,
             "num_gpus": config.num_gpus_per_replica,

@@ -52,13 +52,25 @@ class EngineConfig(BaseModel):
         return kwargs
 
 
+class AutoscalingConfig(BaseModel):
+    """Serve autoscaling of the worker deployment (replaces ``num_replicas`` when set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0)
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(DEFAULT_MODEL, description='"default" or a local Hugging Face model directory')
     served_model_name: str | None = None
     num_replicas: int = Field(1, ge=1, le=64)
-    max_ongoing_requests: int = Field(64, ge=1)
+    autoscaling: AutoscalingConfig | None = None
+    max_ongoing_requests: int = Field(64, ge=1, description="per worker replica; more wait in Serve's queue")
+    max_queued_requests: int = Field(-1, ge=-1, description="Serve's queue bound per handle; -1: unbounded")
     num_cpus_per_replica: float = Field(1.0, ge=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)
     engine: EngineConfig = Field(default_factory=EngineConfig)

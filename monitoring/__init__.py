@@ -1,0 +1,1 @@
+"""Monitoring as code: Prometheus scrape config and Grafana dashboards generated to JSON."""

@@ -1,0 +1,94 @@
+"""KubeRay manifests: Kubernetes schemas (kubernetes-validate), the KubeRay CRDs' openAPIV3Schema,
+Ray Serve's own config schema, and our typed AppConfig for the inline Serve config."""
+from __future__ import annotations
+
+import copy
+import importlib
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from deployments.config import AppConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+CRDS = ROOT.parent / "shared" / "schemas" / "kuberay"
+K8S_VERSION = "1.30.0"
+
+
+def _crd_schema(kind: str) -> dict:
+    crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def _documents() -> list[tuple[Path, dict]]:
+    docs = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(path, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+DOCUMENTS = _documents()
+RAYSERVICES = [(p, d) for p, d in DOCUMENTS if d["kind"] == "RayService"]
+
+
+def test_there_is_a_cpu_and_a_gpu_rayservice():
+    assert {p.parent.name for p, _ in RAYSERVICES} == {"cpu", "gpu"}
+
+
+@pytest.mark.parametrize("path,doc", DOCUMENTS, ids=[f"{p.relative_to(K8S)}:{d['kind']}" for p, d in DOCUMENTS])
+def test_manifest_is_valid(path, doc):
+    if doc["apiVersion"].startswith("ray.io/"):
+        jsonschema.validate(doc, _crd_schema(doc["kind"]))
+    else:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _pod_templates(rayservice: dict) -> list[dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+
+
+@pytest.mark.parametrize("path,doc", RAYSERVICES, ids=[p.parent.name for p, _ in RAYSERVICES])
+def test_pod_templates_are_valid_pods_with_probes_and_ports(path, doc):
+    for template in _pod_templates(doc):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": copy.deepcopy(template.get("metadata", {})) | {"name": "x"},
+               "spec": template["spec"]}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        container = template["spec"]["containers"][0]
+        assert container.get("readinessProbe") and container.get("livenessProbe")
+        assert {"serve", "metrics"} <= {p["name"] for p in container["ports"]}
+
+
+@pytest.mark.parametrize("path,doc", RAYSERVICES, ids=[p.parent.name for p, _ in RAYSERVICES])
+def test_inline_serve_config_parses_into_ray_and_our_config(path, doc):
+    from ray.serve.schema import ServeDeploySchema
+
+    serve_config = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(serve_config)
+    for app in serve_config["applications"]:
+        module, attr = app["import_path"].split(":")
+        assert callable(getattr(importlib.import_module(module), attr))
+        config = AppConfig.model_validate(app["args"])
+        assert config.autoscaling is not None and config.max_queued_requests > 0
+        head = doc["spec"]["rayClusterConfig"]["headGroupSpec"]
+        assert head["rayStartParams"]["num-cpus"] == "0"  # no engine on the head
+        workers = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        limits = workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert float(limits["cpu"]) >= config.num_cpus_per_replica
+        if config.num_gpus_per_replica:
+            assert int(limits["nvidia.com/gpu"]) >= config.num_gpus_per_replica
+            assert not config.model.startswith("default")
+
+
+def test_kustomizations_reference_existing_files():
+    for path in K8S.rglob("kustomization.yaml"):
+        for resource in yaml.safe_load(path.read_text())["resources"]:
+            assert (path.parent / resource).exists(), (path, resource)
