@@ -19,10 +19,29 @@ CRDS = ROOT.parent / "shared" / "schemas" / "kuberay"
 K8S_VERSION = "1.30.0"
 
 
+def _strict(schema: dict) -> dict:
+    """Reject unknown fields, as the API server's strict field validation (kubectl --validate=strict) does;
+    a CRD schema alone only prunes them. Objects marked x-kubernetes-preserve-unknown-fields stay open."""
+    if isinstance(schema, dict):
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        for value in schema.values():
+            if isinstance(value, dict):
+                _strict(value)
+            elif isinstance(value, list):
+                for item in value:
+                    _strict(item)
+    return schema
+
+
 def _crd_schema(kind: str) -> dict:
     crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
-    return version["schema"]["openAPIV3Schema"]
+    schema = _strict(version["schema"]["openAPIV3Schema"])
+    # apiVersion/kind/metadata are checked by the API server itself, not by the CRD schema.
+    schema["properties"]["metadata"] = {"type": "object"}
+    return schema
 
 
 def _documents() -> list[tuple[Path, dict]]:
@@ -86,6 +105,14 @@ def test_inline_serve_config_parses_into_ray_and_our_config(path, doc):
         if config.num_gpus_per_replica:
             assert int(limits["nvidia.com/gpu"]) >= config.num_gpus_per_replica
             assert not config.model.startswith("default")
+
+
+def test_strict_schema_catches_a_misspelled_field():
+    _, doc = RAYSERVICES[0]
+    broken = copy.deepcopy(doc)
+    broken["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, _crd_schema("RayService"))
 
 
 def test_kustomizations_reference_existing_files():
