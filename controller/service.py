@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray import serve
 
+from controller.laws.priority import SequenceState, priorities
 from controller.metrics_merge import merge_families
 
 _STALE_AFTER_S = 30.0
@@ -21,7 +22,11 @@ _STALE_AFTER_S = 30.0
 @serve.deployment(name="EntropyController", num_replicas=1, max_ongoing_requests=1000,
                   ray_actor_options={"num_cpus": 0})
 class EntropyController:
-    def __init__(self) -> None:
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        from deployments.config import AppConfig
+
+        self._scheduling = AppConfig.model_validate(config or {}).scheduling
+        self._weights = self._scheduling.weights()
         self._reports: dict[str, dict[str, Any]] = {}
         self._received: dict[str, float] = {}
         self._metrics: dict[str, list] = {}
@@ -31,7 +36,8 @@ class EntropyController:
         self._report_count = Counter("entropic_telemetry_reports", "Telemetry reports received from replicas",
                                      registry=self._registry)
 
-    def report(self, replica_id: str, report: dict[str, Any]) -> None:
+    def report(self, replica_id: str, report: dict[str, Any]) -> dict[str, Any]:
+        """Take one replica's telemetry; answer with π for each of its sequences."""
         now = time.time()
         self._received[replica_id] = now
         metrics = report.pop("metrics", None)
@@ -40,7 +46,11 @@ class EntropyController:
         report["lag_s"] = max(0.0, now - report.get("sent_at", now))
         self._lag.observe(report["lag_s"])
         self._report_count.inc()
+        states = {k: SequenceState(**{**s, "waited_s": s["waited_s"] + report["lag_s"]})
+                  for k, s in report.get("sequences", {}).items()}
+        report["priorities"] = priorities(states, self._weights)
         self._reports[replica_id] = report
+        return {"priorities": report["priorities"]}
 
     def _live(self) -> list[str]:
         cutoff = time.time() - _STALE_AFTER_S
@@ -52,4 +62,9 @@ class EntropyController:
         return merge_families({**live, "controller": list(self._registry.collect())})
 
     def profiles(self) -> dict[str, Any]:
-        return {r: self._reports[r] for r in self._live()}
+        """Per replica: its latest report, with π and the cluster-wide rank of each sequence."""
+        live = {r: self._reports[r] for r in self._live()}
+        ranked = sorted(((pi, r, k) for r, rep in live.items() for k, pi in rep.get("priorities", {}).items()),
+                        reverse=True)
+        ranks = {(r, k): i + 1 for i, (_, r, k) in enumerate(ranked)}
+        return {r: {**rep, "ranks": {k: ranks[(r, k)] for k in rep.get("priorities", {})}} for r, rep in live.items()}

@@ -25,7 +25,7 @@ def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     as_dict = config.model_dump()
-    controller = EntropyController.bind()
+    controller = EntropyController.bind(as_dict)
     scaling: dict[str, Any] = (
         {"autoscaling_config": config.autoscaling.model_dump()} if config.autoscaling
         else {"num_replicas": config.num_replicas})

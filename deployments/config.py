@@ -62,6 +62,28 @@ class AutoscalingConfig(BaseModel):
     target_ongoing_requests: float = Field(8, gt=0)
 
 
+class SchedulingConfig(BaseModel):
+    """Entropy-aware scheduling (paper §3.1): π(s) orders admission, batch and preemption."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    alpha: float = Field(1.0, gt=0, description="weight of compute (attended context)")
+    beta: float = Field(0.5, gt=0, description="weight of KV memory held")
+    gamma: float = Field(1.0, gt=0, description="weight of latency slack")
+    aging_s: float = Field(5.0, gt=0, description="a waiting request's π doubles every aging_s seconds")
+    slo_s: float = Field(30.0, gt=0, description="end-to-end latency objective behind the slack term")
+    drop_ewma: float = Field(0.2, gt=0, le=1, description="EWMA weight of dH+ in E[dH]")
+    prior_drop: float = Field(0.3, ge=0, description="E[dH] (nats/token) assumed before a request's first token")
+    preempt_margin: float = Field(2.0, ge=1, description="π ratio a waiting request needs to preempt a running one")
+    controller_timeout_s: float = Field(0.25, gt=0, description="older controller answers fall back to local π")
+
+    def weights(self):
+        from controller.laws.priority import PriorityWeights
+
+        return PriorityWeights(alpha=self.alpha, beta=self.beta, gamma=self.gamma, aging_s=self.aging_s)
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -75,6 +97,7 @@ class AppConfig(BaseModel):
     num_gpus_per_replica: float = Field(0.0, ge=0)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampling: SamplingControl = Field(default_factory=SamplingControl)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
 
     @property

@@ -73,6 +73,14 @@ SERVING = [
             "{{replica}}": f"sum by (replica) (rate(entropic_estimator_seconds_sum[{RATE}])) / "
                            f"sum by (replica) (rate(entropic_engine_step_seconds_sum[{RATE}]))"}, "percentunit"),
     ]),
+    Row("Entropy-aware scheduling (macro layer)", [
+        Panel("π(s) distribution", heatmap("entropic_priority"), kind="heatmap",
+              description="Priority published to each replica's scheduler, per sequence and control period"),
+        Panel("π source (controller vs local fallback)", {
+            "{{source}}": f"sum by (source) (rate(entropic_priority_count[{RATE}]))"}),
+        Panel("Priority preemptions per second", {
+            "{{replica}}": f"sum by (replica) (rate(entropic_priority_preemptions_total[{RATE}]))"}),
+    ]),
     Row("Controller", [
         Panel("Telemetry lag (replica to controller)", quantiles("entropic_telemetry_lag_seconds"), "s"),
         Panel("Telemetry reports per second", {"reports": f"sum(rate(entropic_telemetry_reports_total[{RATE}]))"}),

@@ -126,6 +126,23 @@ def _metric_values(text: str, name: str) -> dict[str, float]:
     return values
 
 
+def test_debug_endpoint_shows_priorities_of_active_requests(server, client, served_model):
+    import time
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(client.completions.create, model=served_model, prompt="Count slowly:", max_tokens=120,
+                             temperature=0, extra_body={"ignore_eos": True})
+        seen = {}
+        deadline = time.time() + 60
+        while not seen and time.time() < deadline:
+            for replica in httpx.get(f"{server}/debug/requests", timeout=10).json().values():
+                seen.update({k: (pi, replica["ranks"][k]) for k, pi in replica.get("priorities", {}).items()})
+            time.sleep(0.1)
+        future.result(timeout=300)
+    assert seen, "no active request showed a priority"
+    assert all(pi > 0 and rank >= 1 for pi, rank in seen.values())
+
+
 def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, client, served_model):
     client.completions.create(model=served_model, prompt="Hi", max_tokens=4)
     text = httpx.get(f"{server}/metrics", timeout=30).text
@@ -136,7 +153,8 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
                  "vllm:generation_tokens_total", "vllm:num_requests_waiting",
                  "entropic_token_entropy_nats_count", "entropic_token_temperature_count",
                  "entropic_request_entropic_time_nats_count", "entropic_estimator_seconds_count",
-                 "entropic_engine_step_seconds_count"):
+                 "entropic_engine_step_seconds_count", "entropic_priority_count",
+                 "entropic_priority_preemptions_total", "entropic_telemetry_lag_seconds_count"):
         assert _metric_values(text, name), name
     assert sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0
 

@@ -48,3 +48,19 @@ def test_our_processor_is_a_vllm_logits_processor():
 
     assert issubclass(EntropicLogitsProcessor, LogitsProcessor)
     assert not EntropicLogitsProcessor(None, None, False).is_argmax_invariant()
+
+
+def test_scheduler_internals_we_use():
+    from vllm.v1.core.sched.request_queue import PriorityRequestQueue
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    assert list(inspect.signature(Scheduler._preempt_request).parameters)[:3] == ["self", "request", "timestamp"]
+    for name in ("schedule", "add_request"):
+        assert hasattr(Scheduler, name), name
+    source = inspect.getsource(Scheduler.__init__)
+    for attribute in ("self.running", "self.waiting", "self.kv_holding_waiting", "self.max_num_running_reqs",
+                      "self.requests"):
+        assert attribute in source, attribute
+    assert "_heap" in inspect.getsource(PriorityRequestQueue.__init__)
+    assert "self.priority" in inspect.getsource(Request.__lt__)

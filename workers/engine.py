@@ -100,9 +100,12 @@ class EngineRunner:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
+    @property
+    def scheduler(self) -> Any:
+        return self.engine.engine_core.engine_core.scheduler
+
     def scheduler_counts(self) -> tuple[int, int]:
-        sched = self.engine.engine_core.engine_core.scheduler
-        return len(sched.running), len(sched.waiting)
+        return len(self.scheduler.running), len(self.scheduler.waiting)
 
     # --- caller side -----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: Any, params: Any, prompt_tokens: int) -> AsyncIterator[Delta]:

@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 _ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 11.0)
 _TEMPERATURE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
 _TAU_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+_PRIORITY_BUCKETS = (1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 100)
 _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
@@ -33,6 +34,19 @@ class ReplicaMetrics:
         self._step = histogram("entropic_engine_step_seconds", "Wall time of one engine step", _SECONDS_BUCKETS)
         self._tokens = Counter("entropic_tokens", "Generated tokens that carried entropy telemetry",
                                ["model_name"]).labels(model_name)
+        self._priority = Histogram("entropic_priority", "π(s) published to the scheduler, per sequence and control period",
+                                   ["model_name", "source"], buckets=_PRIORITY_BUCKETS)
+        self._priority_sources = {src: self._priority.labels(model_name, src) for src in ("controller", "local")}
+        self._preemptions = Counter("entropic_priority_preemptions", "Running requests preempted for a higher-π waiting one",
+                                    ["model_name"]).labels(model_name)
+
+    def observe_priorities(self, published) -> None:
+        for pi, source in published:
+            self._priority_sources[source].observe(pi)
+
+    def observe_preemptions(self, count: int) -> None:
+        if count > 0:
+            self._preemptions.inc(count)
 
     def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list) -> None:
         self._step.observe(step_seconds)

@@ -1,8 +1,10 @@
 """Ray Serve deployment: one replica owns one in-process vLLM engine.
 
 The ingress calls ``generate`` through ``handle.options(stream=True)``; each item is an
-``engine.Delta``. A background task reports to the controller at the control period:
-per-request entropy summaries every period, the replica's metric families every second.
+``engine.Delta``. A control loop runs at the control period: it reports each active request's
+entropy profile (and, once a second, the replica's metric families) to the controller, and
+publishes π(s) for the scheduler: the controller's answer when it comes within
+``controller_timeout_s``, else π computed locally from the same profiles.
 """
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 from ray import serve
 
+from controller.laws.priority import priorities
 from deployments.config import AppConfig
 from workers.errors import InvalidRequest
+from workers.tracking import PriorityBoard, SequenceTrack
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +40,28 @@ class EntropicWorker:
 
         model_path = str(resolve_model(self.config.model))
         self.metrics = ReplicaMetrics(self.config.model_name)
-        self.runner = EngineRunner(
-            self.config.engine.engine_kwargs(model_path, self.config.model_name,
-                                             on_gpu=self.config.num_gpus_per_replica > 0),
-            on_step=self.metrics.observe_step,
-        )
+        engine_kwargs = self.config.engine.engine_kwargs(model_path, self.config.model_name,
+                                                         on_gpu=self.config.num_gpus_per_replica > 0)
+        self.scheduling = self.config.scheduling
+        if self.scheduling.enabled:
+            engine_kwargs.update(scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority")
+        self.runner = EngineRunner(engine_kwargs, on_step=self.metrics.observe_step)
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()
+        self.block_size = self.runner.engine.vllm_config.cache_config.block_size
+        self.board = PriorityBoard()
+        if self.scheduling.enabled:
+            self.runner.scheduler.board = self.board
+            self.runner.scheduler.preempt_margin = self.scheduling.preempt_margin
+        self._weights = self.scheduling.weights()
+        self._priorities: dict[str, tuple[float, str]] = {}
+        self._preemptions_seen = 0
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct construction in a test)
             self.replica_id = uuid.uuid4().hex[:8]
         self._controller = controller
         self._active: dict[str, dict[str, Any]] = {}
-        self._reporter = asyncio.get_event_loop().create_task(self._report_loop()) if controller is not None else None
+        self._control = asyncio.get_event_loop().create_task(self._control_loop())
 
     async def generate(self, kind: str, request: Any, control_overrides: dict[str, Any] | None) -> AsyncIterator[Any]:
         from workers.prompts import prompt_token_ids, sampling_params
@@ -65,14 +79,11 @@ class EntropicWorker:
         )
         from workers.engine import EngineRequestError
 
-        summary = self._active[key] = {"arrival": time.time(), "prompt_tokens": len(ids), "tokens": 0}
+        now = time.monotonic()
+        track = self._active[key] = SequenceTrack(now, now, len(ids), self.scheduling.slo_s)
         try:
             async for delta in self.runner.generate(key, {"prompt_token_ids": ids}, params, len(ids)):
-                summary.update(
-                    tokens=delta.completion_tokens, tau=delta.entropic_time, mean_entropy=delta.mean_entropy,
-                    last_entropy=delta.entropy[-1] if delta.entropy else summary.get("last_entropy"),
-                    temperature=delta.temperature[-1] if delta.temperature else summary.get("temperature"),
-                )
+                track.observe(delta, time.monotonic(), self.scheduling.drop_ewma)
                 yield delta
         except EngineRequestError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -80,31 +91,57 @@ class EntropicWorker:
             self._active.pop(key, None)
 
     def info(self) -> dict[str, Any]:
-        return {"replica_id": self.replica_id, "max_model_len": self.runner.max_model_len, "steps": self.runner.steps}
+        return {"replica_id": self.replica_id, "max_model_len": self.runner.max_model_len, "steps": self.runner.steps,
+                "priorities": {k: {"pi": pi, "source": src} for k, (pi, src) in self._priorities.items()}}
 
     async def check_health(self) -> None:
         if not self.runner.alive:
             raise RuntimeError(f"engine loop stopped: {self.runner.fatal!r}")
 
-    async def _report_loop(self) -> None:
-        from workers.metrics import snapshot
-
+    async def _control_loop(self) -> None:
+        """Each control period: report telemetry, take π from the controller or compute it locally."""
         period = self.config.telemetry_period_s
         next_metrics = 0.0
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            report: dict[str, Any] = {"sent_at": time.time(), "requests": dict(self._active)}
-            report["running"], report["waiting"] = self.runner.scheduler_counts()
-            if now >= next_metrics:
-                report["metrics"] = snapshot()
-                next_metrics = now + _METRICS_PERIOD_S
-            elif not self._active:
-                continue
+            try:
+                next_metrics = await self._control_step(next_metrics)
+            except Exception:  # one bad period must not end telemetry and scheduling for good
+                logger.exception("control step failed")
+
+    async def _control_step(self, next_metrics: float) -> float:
+        from workers.metrics import snapshot
+
+        now = time.monotonic()
+        active = dict(self._active)
+        states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
+        report: dict[str, Any] = {
+            "sent_at": time.time(), "sequences": {k: asdict(s) for k, s in states.items()},
+            "summaries": {k: t.summary(now) for k, t in active.items()}}
+        report["running"], report["waiting"] = self.runner.scheduler_counts()
+        if now >= next_metrics:
+            report["metrics"] = snapshot()
+            next_metrics = now + _METRICS_PERIOD_S
+        elif not active:
+            return next_metrics
+        answer = None
+        if self._controller is not None:
             try:  # the controller is advisory: a slow or missing one never stalls serving
-                await asyncio.wait_for(self._controller.report.remote(self.replica_id, report), timeout=5.0)
+                answer = await asyncio.wait_for(self._controller.report.remote(self.replica_id, report),
+                                                timeout=self.scheduling.controller_timeout_s)
             except Exception as exc:
                 logger.debug("telemetry report failed: %r", exc)
+        if self.scheduling.enabled and states:
+            local = priorities(states, self._weights)
+            remote = answer.get("priorities", {}) if isinstance(answer, dict) else {}
+            chosen = {k: (remote[k], "controller") if k in remote else (pi, "local") for k, pi in local.items()}
+            self._priorities = chosen
+            self.board.publish({k: pi for k, (pi, _) in chosen.items()})
+            self.metrics.observe_priorities(chosen.values())
+            preemptions = self.runner.scheduler.priority_preemptions
+            self.metrics.observe_preemptions(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+        return next_metrics
 
     def __del__(self) -> None:
         runner = getattr(self, "runner", None)

@@ -81,3 +81,7 @@ def max_wait_bound(w: PriorityWeights, max_drop: float, max_tokens: float, max_b
     """
     lo, hi = priority_bounds(w, max_drop, max_tokens, max_blocks)
     return w.aging_s * math.log2(hi / lo)
+
+
+def priorities(states: dict[str, SequenceState], w: PriorityWeights) -> dict[str, float]:
+    return {key: priority(state, w) for key, state in states.items()}

@@ -1,0 +1,78 @@
+"""Admission and preemption follow π on the real engine (default model, vLLM's LLMEngine with our
+scheduler class, stepped by hand so every scheduling decision is observable)."""
+from __future__ import annotations
+
+import pytest
+
+from workers.tracking import PriorityBoard
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from workers.engine import configure_process_env
+
+    configure_process_env(2, 1)
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0, dtype="float32",
+        scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority", disable_log_stats=True))
+    scheduler = engine.engine_core.engine_core.scheduler
+    scheduler.board = PriorityBoard()
+    yield engine, scheduler
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _add(engine, keys):
+    from vllm import SamplingParams
+
+    for key in keys:
+        engine.add_request(key, f"Tell me about the number {key}.", SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"entropic": {"key": key}}))
+
+
+def _running(scheduler) -> set[str]:
+    keys = {rid: key for key, rid in scheduler._internal_ids.items()}
+    return {keys[r.request_id] for r in scheduler.running}
+
+
+def _drain(engine) -> dict[str, int]:
+    tokens: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = len(out.outputs[0].token_ids)
+    return tokens
+
+
+def test_admission_follows_priority_not_arrival(engine):
+    engine, scheduler = engine
+    keys = ["adm-0", "adm-1", "adm-2", "adm-3"]
+    _add(engine, keys)
+    scheduler.board.publish({"adm-0": 0.1, "adm-1": 0.2, "adm-2": 0.3, "adm-3": 0.4})
+    engine.step()
+    assert _running(scheduler) == {"adm-2", "adm-3"}  # the two latest arrivals, highest π
+    assert all(n == MAX_TOKENS for n in _drain(engine).values())
+
+
+def test_a_clearly_higher_pi_preempts_the_lowest_running(engine):
+    engine, scheduler = engine
+    _add(engine, ["pre-0", "pre-1", "pre-2"])
+    scheduler.board.publish({"pre-0": 0.5, "pre-1": 0.4, "pre-2": 0.3})
+    engine.step()
+    assert _running(scheduler) == {"pre-0", "pre-1"}
+    before = scheduler.priority_preemptions
+    scheduler.board.publish({"pre-0": 0.5, "pre-1": 0.4, "pre-2": 0.6})  # higher, but below the margin
+    engine.step()
+    assert scheduler.priority_preemptions == before and _running(scheduler) == {"pre-0", "pre-1"}
+    scheduler.board.publish({"pre-0": 0.5, "pre-1": 0.4, "pre-2": 5.0})
+    engine.step()
+    assert scheduler.priority_preemptions == before + 1
+    assert _running(scheduler) == {"pre-0", "pre-2"}  # pre-1, the lowest π, was preempted
+    finished = _drain(engine)
+    assert sorted(finished) == ["pre-0", "pre-1", "pre-2"] or len(finished) == 3
+    assert all(n == MAX_TOKENS for n in finished.values())  # the preempted request resumed and completed

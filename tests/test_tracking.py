@@ -1,0 +1,34 @@
+"""A replica's per-request profile (pure)."""
+from types import SimpleNamespace
+
+import pytest
+
+from workers.tracking import PriorityBoard, SequenceTrack
+
+
+def delta(entropy, completion_tokens, tau=0.0):
+    return SimpleNamespace(entropy=entropy, temperature=[1.0] * len(entropy), completion_tokens=completion_tokens,
+                           entropic_time=tau, mean_entropy=0.0, token_ids=[0] * len(entropy))
+
+
+def test_expected_drop_is_an_ewma_of_positive_drops_across_chunks():
+    track = SequenceTrack(arrival=0.0, last_progress=0.0, prompt_tokens=10, slo_s=30.0)
+    track.observe(delta([3.0, 1.0], 2), now=1.0, drop_weight=0.5)   # drops: 2.0
+    assert track.expected_drop == pytest.approx(2.0)
+    track.observe(delta([2.0, 0.0], 4), now=2.0, drop_weight=0.5)   # drops: 0.0 (1->2), 2.0
+    assert track.expected_drop == pytest.approx(0.5 * (0.5 * 2.0 + 0.0) + 0.5 * 2.0)
+    state = track.state(now=5.0, prior_drop=0.3, block_size=16)
+    assert state.attended_tokens == 14 and state.kv_blocks == pytest.approx(14 / 16)
+    assert state.waited_s == pytest.approx(3.0)
+
+
+def test_prior_before_the_first_drop():
+    track = SequenceTrack(arrival=0.0, last_progress=0.0, prompt_tokens=5, slo_s=30.0)
+    assert track.state(now=1.0, prior_drop=0.3, block_size=16).expected_drop == 0.3
+
+
+def test_board_versions():
+    board = PriorityBoard()
+    assert board.snapshot() == (0, {})
+    board.publish({"a": 1.0})
+    assert board.snapshot() == (1, {"a": 1.0})

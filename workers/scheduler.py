@@ -1,0 +1,75 @@
+"""vLLM scheduler ordered by π(s) (adapter; written for vllm 0.32.0's v1 Scheduler).
+
+Runs with ``scheduling_policy="priority"``: vLLM serves smaller ``Request.priority`` first, so
+a request's priority is set to −π. Before each ``schedule()``, when new priorities have been
+published on the ``PriorityBoard`` (by the replica's control loop, from the controller or the
+local fallback), the scheduler applies them, re-sorts ``running`` (who gets the token budget
+first; under KV pressure vLLM preempts the largest priority value, i.e. the lowest π), re-heapifies
+the waiting queues (admission order), and preempts the lowest-π running request when every slot
+is taken and a waiting request's π exceeds it by ``preempt_margin`` (a preemption costs a
+recompute of the victim's prefix, so a small difference must not cause one).
+
+vLLM appends a suffix to request ids: the caller's key (``extra_args["entropic"]["key"]``) maps
+to the internal id in ``add_request``.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+
+from vllm.v1.core.sched.request_queue import PriorityRequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from workers.sampling import EXTRA_ARGS_KEY
+from workers.tracking import PriorityBoard
+
+
+class EntropicScheduler(Scheduler):
+    preempt_margin = 2.0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.board: PriorityBoard | None = None
+        self.priority_preemptions = 0
+        self._internal_ids: dict[str, str] = {}
+        self._applied_version = 0
+
+    def add_request(self, request) -> None:
+        params = request.sampling_params
+        cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
+        if cfg is not None:
+            self._internal_ids[str(cfg["key"])] = request.request_id
+        super().add_request(request)
+
+    def schedule(self, *args, **kwargs):
+        self._apply_priorities()
+        return super().schedule(*args, **kwargs)
+
+    def _apply_priorities(self) -> None:
+        if self.board is None:
+            return
+        version, priorities = self.board.snapshot()
+        if version == self._applied_version:
+            return
+        self._applied_version = version
+        self._internal_ids = {k: r for k, r in self._internal_ids.items() if r in self.requests}
+        for key, pi in priorities.items():
+            request = self.requests.get(self._internal_ids.get(key, ""))
+            if request is not None:
+                request.priority = -pi
+        self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        for queue in (self.waiting, self.kv_holding_waiting):
+            if isinstance(queue, PriorityRequestQueue):
+                heapq.heapify(queue._heap)
+        self._preempt_for_priority()
+
+    def _preempt_for_priority(self) -> None:
+        if not self.waiting or len(self.running) < self.max_num_running_reqs:
+            return
+        best = self.waiting.peek_request()
+        worst = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        # Priority 0 means "no π published yet" (a request admitted since the last update): never a victim.
+        if worst.priority < 0 and -best.priority > self.preempt_margin * -worst.priority:
+            self.running.remove(worst)
+            self._preempt_request(worst, time.monotonic())
+            self.priority_preemptions += 1

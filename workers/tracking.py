@@ -1,0 +1,66 @@
+"""Per-request entropy profile kept by a replica (the inputs of π(s) and the telemetry summary),
+and the board that carries π from the control loop to the scheduler. No vLLM imports."""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+from controller.laws.entropic_time import positive_drops
+from controller.laws.priority import SequenceState, ewma
+
+
+@dataclass
+class SequenceTrack:
+    arrival: float
+    last_progress: float
+    prompt_tokens: int
+    slo_s: float
+    generated: int = 0
+    expected_drop: float | None = None
+    last_entropy: float | None = None
+    temperature: float | None = None
+    tau: float = 0.0
+    mean_entropy: float = 0.0
+
+    def observe(self, delta, now: float, drop_weight: float) -> None:
+        for drop in positive_drops(delta.entropy, self.last_entropy)[(0 if self.last_entropy is not None else 1):]:
+            self.expected_drop = ewma(self.expected_drop, drop, drop_weight)
+        if delta.entropy:
+            self.last_entropy = delta.entropy[-1]
+        if delta.temperature:
+            self.temperature = delta.temperature[-1]
+        self.generated = delta.completion_tokens
+        self.tau, self.mean_entropy = delta.entropic_time, delta.mean_entropy
+        if delta.token_ids:
+            self.last_progress = now
+
+    def state(self, now: float, prior_drop: float, block_size: int) -> SequenceState:
+        context = self.prompt_tokens + self.generated
+        return SequenceState(
+            expected_drop=self.expected_drop if self.expected_drop is not None else prior_drop,
+            attended_tokens=float(context), kv_blocks=context / block_size,
+            waited_s=max(0.0, now - self.last_progress), slo_s=self.slo_s)
+
+    def summary(self, now: float) -> dict:
+        out = asdict(self)
+        out["age_s"] = now - out.pop("arrival")
+        out["idle_s"] = now - out.pop("last_progress")
+        return out
+
+
+class PriorityBoard:
+    """Latest π per request key; written by the control loop, read by the engine thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._priorities: dict[str, float] = {}
+        self._version = 0
+
+    def publish(self, priorities: dict[str, float]) -> None:
+        with self._lock:
+            self._priorities = dict(priorities)
+            self._version += 1
+
+    def snapshot(self) -> tuple[int, dict[str, float]]:
+        with self._lock:
+            return self._version, self._priorities
