@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test model bench prometheus dashboards
+.PHONY: install serve test model bench bench-scheduling prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -40,3 +40,6 @@ dashboards:
 
 bench: model
 	$(PY) -m loadtest.bench_sampling $(ARGS)
+
+bench-scheduling: model
+	$(PY) -m loadtest.bench_scheduling $(ARGS)

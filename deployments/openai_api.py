@@ -78,12 +78,19 @@ class OpenAIIngress:
     async def metrics(self) -> Response:
         from controller.metrics_merge import render
 
-        families = await self.controller.metric_families.remote()
+        try:
+            families = await asyncio.wait_for(self.controller.metric_families.remote(), timeout=10)
+        except Exception as exc:  # e.g. the controller is restarting: say so, serving is unaffected
+            return _error(f"metrics are unavailable while the controller is down: {exc!r}", code=503,
+                          kind="ServiceUnavailableError")
         return Response(render(families), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/requests")
     async def debug_requests(self) -> JSONResponse:
-        return JSONResponse(await self.controller.profiles.remote())
+        try:
+            return JSONResponse(await asyncio.wait_for(self.controller.profiles.remote(), timeout=10))
+        except Exception as exc:
+            return _error(f"the controller is unavailable: {exc!r}", code=503, kind="ServiceUnavailableError")
 
     # --- generation -------------------------------------------------------------------------
     @app.post("/v1/chat/completions")

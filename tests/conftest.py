@@ -1,7 +1,10 @@
 """Session fixtures: the default model, its real logits, and one real Serve application.
 
 The application (two worker replicas, each owning a real vLLM engine on the default model,
-plus the controller and the ingress) starts once per test session on a local Ray cluster.
+plus the controller and the ingress) starts once per test session on a multi-node Ray test
+cluster (``ray.cluster_utils.Cluster``): a head node with no CPUs (ingress, controller, proxy)
+and two 1-CPU worker nodes, so the two engine replicas run on two different nodes.
+Tests marked ``disruptive`` (they kill parts of the application) run last.
 """
 from __future__ import annotations
 
@@ -65,19 +68,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "disruptive: kills parts of the shared application; runs last")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+
+
 @pytest.fixture(scope="session")
-def server(model_dir):
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    node = {"object_store_memory": 256 * 2**20, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **node})
+    workers = [cluster.add_node(num_cpus=1, **node) for _ in range(2)]
+    yield cluster, workers
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, ray_cluster):
     """Base URL of the running application."""
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
+    cluster, _ = ray_cluster
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address=cluster.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(TEST_APP_CONFIG), name="entropic", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120

@@ -59,6 +59,9 @@ class EntropicWorker:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct construction in a test)
             self.replica_id = uuid.uuid4().hex[:8]
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
         self._controller = controller
         self._active: dict[str, dict[str, Any]] = {}
         self._control = asyncio.get_event_loop().create_task(self._control_loop())
@@ -117,7 +120,7 @@ class EntropicWorker:
         states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
         report: dict[str, Any] = {
             "sent_at": time.time(), "sequences": {k: asdict(s) for k, s in states.items()},
-            "summaries": {k: t.summary(now) for k, t in active.items()}}
+            "summaries": {k: t.summary(now) for k, t in active.items()}, "node_id": self.node_id}
         report["running"], report["waiting"] = self.runner.scheduler_counts()
         if now >= next_metrics:
             report["metrics"] = snapshot()
