@@ -14,12 +14,9 @@ and the estimator's share of engine step time (median over steps).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics as st
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 from controller.laws.entropic_time import EntropyTrace
 
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from loadtest.machine import describe
+    from loadtest.machine import publish
     from workers.control_params import SamplingControl
     from workers.engine import _find_logits_processor
     from workers.model_store import resolve_model
@@ -155,14 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {name: {"throughput": paired(name, "tokens_per_s"), "e2e_latency": paired(name, "e2e_s"),
                      "itl": paired(name, "itl_s"), "decode_step": paired(name, "decode_step_s")}
               for name in configs if name != "plain"}
-    result = {"command": "python -m loadtest.bench_sampling " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe(),
-              "settings": vars(args), "dtype": common["dtype"], "median": summary, "ratio_to_plain": ratios, "rounds": rounds}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+    publish("loadtest.bench_sampling", argv, args.out,
+            {"settings": vars(args), "dtype": common["dtype"], "median": summary, "ratio_to_plain": ratios,
+             "rounds": rounds}, _markdown)
     return 0
 
 

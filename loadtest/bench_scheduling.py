@@ -14,14 +14,11 @@ within their class SLO per second), with ratios to FCFS.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics as st
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 
 from controller.laws.priority import priorities
 from workers.tracking import PriorityBoard, SequenceTrack
@@ -146,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preempt-margin", type=float, default=None,
+                        help="enable priority preemption with this π ratio (default: the config's, off)")
+    parser.add_argument("--alpha", type=float, default=None, help="override scheduling.alpha")
     parser.add_argument("--out", default="docs/benchmarks/scheduling")
     args = parser.parse_args(argv)
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from deployments.config import SchedulingConfig
-    from loadtest.machine import describe
+    from loadtest.machine import publish
     from workers.engine import _find_logits_processor
     from workers.hardware import resolve_dtype
     from workers.model_store import resolve_model
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = LLMEngine.from_engine_args(EngineArgs(
         **common, logits_processors=[EntropicLogitsProcessor], scheduling_policy="priority",
         scheduler_cls="workers.scheduler.EntropicScheduler"))
-    scheduling = SchedulingConfig()
+    overrides = {k: v for k, v in (("preempt_margin", args.preempt_margin), ("alpha", args.alpha)) if v is not None}
+    scheduling = SchedulingConfig(**overrides)
     scheduler = ours.engine_core.engine_core.scheduler
     scheduler.board = PriorityBoard()
     scheduler.preempt_margin = scheduling.preempt_margin
@@ -202,16 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         summary[n]["per_class_mean_e2e_s"] = {c: st.median(x["per_class_mean_e2e_s"][c] for x in results[n])
                                               for c in results[n][0]["per_class_mean_e2e_s"]}
     ratios = {k: summary["pi"][k] / summary["fcfs"][k] for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
-    result = {"command": "python -m loadtest.bench_scheduling " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe(),
-              "settings": vars(args), "classes": CLASSES, "median": summary, "ratio_pi_to_fcfs": ratios,
-              "identical_output_fraction": same,
-              "rounds": {n: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for n, xs in results.items()}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+    publish("loadtest.bench_scheduling", argv, args.out,
+            {"settings": vars(args), "classes": CLASSES, "median": summary, "ratio_pi_to_fcfs": ratios,
+             "identical_output_fraction": same,
+             "rounds": {n: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for n, xs in results.items()}},
+            _markdown)
     return 0
 
 

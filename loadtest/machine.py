@@ -24,3 +24,21 @@ def describe() -> dict[str, str | int]:
     return {"cpu": cpu, "cores": os.cpu_count() or 0, "memory_gib": mem_gib,
             "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
+
+
+def publish(module: str, argv: list[str] | None, out: str, fields: dict, render) -> dict:
+    """Stamp a benchmark result with its command, date and machine; write <out>.json and <out>.md."""
+    import json
+    import sys
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    result = {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe(), **fields}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    text = render(result)
+    path.with_suffix(".md").write_text(text)
+    print(text)
+    return result

@@ -5,9 +5,12 @@ a request's priority is set to −π. Before each ``schedule()``, when new prior
 published on the ``PriorityBoard`` (by the replica's control loop, from the controller or the
 local fallback), the scheduler applies them, re-sorts ``running`` (who gets the token budget
 first; under KV pressure vLLM preempts the largest priority value, i.e. the lowest π), re-heapifies
-the waiting queues (admission order), and preempts the lowest-π running request when every slot
-is taken and a waiting request's π exceeds it by ``preempt_margin`` (a preemption costs a
-recompute of the victim's prefix, so a small difference must not cause one).
+the waiting queues (admission order), and, when ``preempt_margin`` is set, preempts the lowest-π
+running request when every slot is taken and a waiting request's π exceeds it by that factor (a
+preemption costs a recompute of the victim's prefix). It is off by default: with aging, a
+preempted request's π keeps growing until it preempts another; under overload a margin of 2 cut
+mean TTFT to 0.27x of FCFS but made p99 latency 2.3x worse, long generations being preempted
+again and again (docs/benchmarks/scheduling-preempt-margin-2.md).
 
 vLLM appends a suffix to request ids: the caller's key (``extra_args["entropic"]["key"]``) maps
 to the internal id in ``add_request``.
@@ -25,7 +28,7 @@ from workers.tracking import PriorityBoard
 
 
 class EntropicScheduler(Scheduler):
-    preempt_margin = 2.0
+    preempt_margin: float | None = None  # None: only vLLM's own (KV-pressure) preemption, in π order
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -64,7 +67,7 @@ class EntropicScheduler(Scheduler):
         self._preempt_for_priority()
 
     def _preempt_for_priority(self) -> None:
-        if not self.waiting or len(self.running) < self.max_num_running_reqs:
+        if self.preempt_margin is None or not self.waiting or len(self.running) < self.max_num_running_reqs:
             return
         best = self.waiting.peek_request()
         worst = max(self.running, key=lambda r: (r.priority, r.arrival_time))
