@@ -33,11 +33,14 @@ class EntropyController:
         self._registry = CollectorRegistry(auto_describe=False)
         self._lag = Histogram("entropic_telemetry_lag_seconds", "Delay from a replica sending telemetry to the controller receiving it",
                               buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3), registry=self._registry)
+        self._loop = Histogram("entropic_controller_loop_seconds", "Controller time to process one report and compute π",
+                               buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1), registry=self._registry)
         self._report_count = Counter("entropic_telemetry_reports", "Telemetry reports received from replicas",
                                      registry=self._registry)
 
     def report(self, replica_id: str, report: dict[str, Any]) -> dict[str, Any]:
         """Take one replica's telemetry; answer with π for each of its sequences."""
+        started = time.perf_counter()
         now = time.time()
         self._received[replica_id] = now
         metrics = report.pop("metrics", None)
@@ -50,6 +53,7 @@ class EntropyController:
                   for k, s in report.get("sequences", {}).items()}
         report["priorities"] = priorities(states, self._weights)
         self._reports[replica_id] = report
+        self._loop.observe(time.perf_counter() - started)
         return {"priorities": report["priorities"]}
 
     def _live(self) -> list[str]:

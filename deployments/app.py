@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from controller.service import EntropyController
 from deployments.config import AppConfig
@@ -33,6 +34,9 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         **scaling,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class="deployments.routing.SoonestServedRouter",
+            request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=2.0),
         ray_actor_options={
             "num_cpus": config.num_cpus_per_replica,
             "num_gpus": config.num_gpus_per_replica,

@@ -84,6 +84,7 @@ SERVING = [
     Row("Controller", [
         Panel("Telemetry lag (replica to controller)", quantiles("entropic_telemetry_lag_seconds"), "s"),
         Panel("Telemetry reports per second", {"reports": f"sum(rate(entropic_telemetry_reports_total[{RATE}]))"}),
+        Panel("Controller loop latency (per report)", quantiles("entropic_controller_loop_seconds"), "s"),
     ]),
 ]
 

@@ -153,7 +153,8 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
                  "entropic_token_entropy_nats_count", "entropic_token_temperature_count",
                  "entropic_request_entropic_time_nats_count", "entropic_estimator_seconds_count",
                  "entropic_engine_step_seconds_count", "entropic_priority_count",
-                 "entropic_priority_preemptions_total", "entropic_telemetry_lag_seconds_count"):
+                 "entropic_priority_preemptions_total", "entropic_telemetry_lag_seconds_count",
+                 "entropic_controller_loop_seconds_count"):
         assert _metric_values(text, name), name
     assert sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0
 

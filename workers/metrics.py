@@ -48,7 +48,10 @@ class ReplicaMetrics:
         if count > 0:
             self._preemptions.inc(count)
 
+    recent_step_s = 0.0  # EWMA of engine step time, for routing
+
     def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list) -> None:
+        self.recent_step_s = step_seconds if not self.recent_step_s else 0.9 * self.recent_step_s + 0.1 * step_seconds
         self._step.observe(step_seconds)
         self._estimator.observe(estimator_seconds)
         for delta in deltas:

@@ -55,6 +55,7 @@ class EntropicWorker:
         self._weights = self.scheduling.weights()
         self._priorities: dict[str, tuple[float, str]] = {}
         self._preemptions_seen = 0
+        self._routing_polls = 0
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct construction in a test)
@@ -97,6 +98,13 @@ class EntropicWorker:
         return {"replica_id": self.replica_id, "max_model_len": self.runner.max_model_len, "steps": self.runner.steps,
                 "priorities": {k: {"pi": pi, "source": src} for k, (pi, src) in self._priorities.items()}}
 
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Serve for deployments.routing.SoonestServedRouter."""
+        running, waiting = self.runner.scheduler_counts()
+        self._routing_polls += 1
+        return {"at": time.time(), "running": running, "waiting": waiting,
+                "max_num_seqs": self.config.engine.max_num_seqs, "step_s": self.metrics.recent_step_s}
+
     async def check_health(self) -> None:
         if not self.runner.alive:
             raise RuntimeError(f"engine loop stopped: {self.runner.fatal!r}")
@@ -120,7 +128,8 @@ class EntropicWorker:
         states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
         report: dict[str, Any] = {
             "sent_at": time.time(), "sequences": {k: asdict(s) for k, s in states.items()},
-            "summaries": {k: t.summary(now) for k, t in active.items()}, "node_id": self.node_id}
+            "summaries": {k: t.summary(now) for k, t in active.items()}, "node_id": self.node_id,
+            "routing_stats_polls": self._routing_polls}
         report["running"], report["waiting"] = self.runner.scheduler_counts()
         if now >= next_metrics:
             report["metrics"] = snapshot()
