@@ -2,11 +2,13 @@
 
 Ranks replicas by ``controller.laws.routing.expected_delay`` from the routing stats each replica
 reports (``EntropicWorker.record_routing_stats``, polled by Serve every
-``request_routing_stats_period_s``), corrected by what this router sent since that report.
+``request_routing_stats_period_s``) and the requests this router has in flight on each replica
+(``on_send_request`` / ``decrement_queue_len_cache``, which Serve calls for every request).
 Serve keeps managing the replicas (health, queue limits, retries): we only order them.
 """
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from typing import Any, List, Optional
 
@@ -17,21 +19,22 @@ from controller.laws.routing import rank
 
 class SoonestServedRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
-        self._sent_since_report: dict[ReplicaID, int] = defaultdict(int)
-        self._report_stamp: dict[ReplicaID, Any] = {}
+        self._ongoing: dict[ReplicaID, int] = defaultdict(int)
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
-        candidates = []
-        for replica in candidate_replicas:
-            stats = replica.routing_stats or None
-            stamp = (stats or {}).get("at")
-            if self._report_stamp.get(replica.replica_id) != stamp:
-                self._report_stamp[replica.replica_id] = stamp
-                self._sent_since_report[replica.replica_id] = 0
-            candidates.append((replica, stats, self._sent_since_report[replica.replica_id]))
-        return [[replica] for replica in rank(candidates)]
+        # Shuffled so that equal expected delays split evenly instead of favouring the first replica.
+        shuffled = random.sample(candidate_replicas, len(candidate_replicas))
+        ranked = rank([(r, r.routing_stats or None, self._ongoing[r.replica_id]) for r in shuffled])
+        return [[replica] for replica in ranked]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._sent_since_report[replica_id] += 1
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # Serve calls this for every request it sends (on_request_routed only in strict-rejection mode).
+        super().on_send_request(replica_id)
+        self._ongoing[replica_id] += 1
+
+    def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
+        # Serve calls this when a request finishes on a replica, whatever the outcome.
+        super().decrement_queue_len_cache(replica_id)
+        self._ongoing[replica_id] = max(0, self._ongoing[replica_id] - 1)

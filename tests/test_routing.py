@@ -11,14 +11,36 @@ def test_expected_delay_grows_with_load_and_step_time():
     busy = {"running": 4, "waiting": 3, "max_num_seqs": 4, "step_s": 0.1}
     slow = {"running": 4, "waiting": 3, "max_num_seqs": 4, "step_s": 0.3}
     assert expected_delay(idle) < expected_delay(busy) < expected_delay(slow)
-    assert expected_delay(idle, in_flight=8) > expected_delay(idle)
+    assert expected_delay(idle, ongoing=8) > expected_delay(idle)
+    assert expected_delay(busy, ongoing=2) == expected_delay(busy)  # the report already covers them
 
 
 def test_rank_prefers_the_soonest_and_puts_unknown_last():
     a = {"running": 4, "waiting": 2, "max_num_seqs": 4, "step_s": 0.1}
     b = {"running": 1, "waiting": 0, "max_num_seqs": 4, "step_s": 0.1}
     assert rank([("a", a, 0), ("b", b, 0), ("c", None, 0)]) == ["b", "a", "c"]
-    assert rank([("a", a, 0), ("b", b, 9)]) == ["a", "b"]  # what we just sent to b counts until its next report
+    assert rank([("a", a, 0), ("b", b, 9)]) == ["a", "b"]  # what this router has in flight on b counts
+
+
+def test_a_burst_is_split_across_replicas(server, client, served_model):
+    """Four requests sent at once, before any replica reports again: what the router has in flight counts."""
+    import concurrent.futures as cf
+
+    def one(i: int) -> None:
+        client.completions.create(model=served_model, prompt=f"Burst {i}:", max_tokens=60, temperature=0,
+                                  extra_body={"ignore_eos": True})
+
+    per_replica: dict[str, set] = {}
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(4)]
+        while not all(f.done() for f in futures):
+            for replica, report in httpx.get(f"{server}/debug/requests", timeout=10).json().items():
+                per_replica.setdefault(replica, set()).update(report.get("sequences", {}))
+            time.sleep(0.05)
+        for f in futures:
+            f.result()
+    counts = sorted(len(keys) for keys in per_replica.values())
+    assert counts == [2, 2], per_replica
 
 
 def test_serve_polls_every_replica_for_routing_stats(server):
@@ -29,3 +51,21 @@ def test_serve_polls_every_replica_for_routing_stats(server):
             return
         time.sleep(0.5)
     raise AssertionError(f"routing stats were not polled: {reports}")
+
+
+def test_ray_request_router_api_we_use_is_still_there():
+    """RequestRouter is alpha API; deployments/routing.py was written against ray 2.60.0."""
+    import importlib
+    import inspect
+
+    import ray
+    from ray.serve.request_router import RequestRouter, RunningReplica
+
+    assert ray.__version__ == "2.60.0", "re-check deployments/routing.py against this Ray, then update the pin"
+    assert list(inspect.signature(RequestRouter.choose_replicas).parameters) == [
+        "self", "candidate_replicas", "pending_request"]
+    assert list(inspect.signature(RequestRouter.on_send_request).parameters) == ["self", "replica_id"]
+    assert list(inspect.signature(RequestRouter.decrement_queue_len_cache).parameters) == ["self", "replica_id"]
+    assert "on_send_request(replica.replica_id)" in inspect.getsource(
+        importlib.import_module("ray.serve._private.router"))
+    assert isinstance(inspect.getattr_static(RunningReplica, "routing_stats"), property)
