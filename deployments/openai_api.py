@@ -55,6 +55,9 @@ def _usage(delta: Any) -> p.UsageInfo:
 class OpenAIIngress:
     def __init__(self, worker: Any, controller: Any, config: dict[str, Any]) -> None:
         self.worker = worker
+        # One streaming handle for all requests: its request router (and the in-flight counts the router
+        # keeps per replica) must outlive a single request.
+        self.worker_stream = worker.options(stream=True)
         self.controller = controller
         self.config = AppConfig.model_validate(config)
         self.model_name = self.config.model_name
@@ -113,7 +116,7 @@ class OpenAIIngress:
         except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
-        stream = self.worker.options(stream=True).generate.remote(kind, request, p.overrides(request))
+        stream = self.worker_stream.generate.remote(kind, request, p.overrides(request))
         try:
             first = await stream.__anext__()
         except InvalidRequest as exc:
