@@ -9,9 +9,7 @@ from typing import Any
 
 from workers.control_params import SamplingControl
 from workers.errors import InvalidRequest
-from workers.sampling import EXTRA_ARGS_KEY
-
-_GREEDY_EPS = 1e-5
+from workers.sampling import _GREEDY_EPS, EXTRA_ARGS_KEY
 
 
 def _message_text(message: dict[str, Any], index: int) -> dict[str, str]:
