@@ -120,10 +120,12 @@ class OpenAIIngress:
         try:
             first = await stream.__anext__()
         except InvalidRequest as exc:
+            stream.cancel()  # release the call, so the router's in-flight count for that replica drops
             return _error(exc.message, exc.param)
         except StopAsyncIteration:
             return _error("the engine produced no output", code=500, kind="InternalServerError")
         except Exception as exc:
+            stream.cancel()
             logger.exception("generation failed")
             return _error(f"generation failed: {exc}", code=500, kind="InternalServerError")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"

@@ -9,12 +9,27 @@ Serve keeps managing the replicas (health, queue limits, retries): we only order
 from __future__ import annotations
 
 import random
+import time
 from collections import defaultdict
 from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from controller.laws.routing import rank
+
+
+STALE_AFTER_S = 2.0
+
+
+def _fresh(stats: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
+    """Stats as of now: a replica's load report older than STALE_AFTER_S is dropped (its capacity and
+    step time are kept). Serve pushes routing stats with replica-set updates, which can lag far
+    behind the poll period; a stale "busy" would otherwise send every request elsewhere."""
+    if not stats:
+        return None
+    if now - stats.get("at", 0.0) > STALE_AFTER_S:
+        return {**stats, "running": 0, "waiting": 0}
+    return stats
 
 
 class SoonestServedRouter(RequestRouter):
@@ -26,7 +41,8 @@ class SoonestServedRouter(RequestRouter):
     ) -> List[List[RunningReplica]]:
         # Shuffled so that equal expected delays split evenly instead of favouring the first replica.
         shuffled = random.sample(candidate_replicas, len(candidate_replicas))
-        ranked = rank([(r, r.routing_stats or None, self._ongoing[r.replica_id]) for r in shuffled])
+        now = time.time()
+        ranked = rank([(r, _fresh(r.routing_stats, now), self._ongoing[r.replica_id]) for r in shuffled])
         return [[replica] for replica in ranked]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
