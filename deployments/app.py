@@ -35,7 +35,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
         request_router_config=RequestRouterConfig(
-            request_router_class="deployments.routing.SoonestServedRouter",
+            **({"request_router_class": "deployments.routing.SoonestServedRouter"}
+               if config.request_router == "soonest_served" else {}),
             request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=2.0),
         ray_actor_options={
             "num_cpus": config.num_cpus_per_replica,

@@ -5,7 +5,7 @@ A Serve YAML config passes ``args`` to ``deployments.app:build_app``; those args
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -101,6 +101,9 @@ class AppConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampling: SamplingControl = Field(default_factory=SamplingControl)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    request_router: Literal["power_of_two", "soonest_served"] = Field(
+        "power_of_two", description="Serve's default router, or deployments.routing.SoonestServedRouter (experimental: "
+        "a burst of requests sometimes all went to one replica in the test suite)")
     telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
 
     @property
