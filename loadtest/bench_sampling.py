@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loadtest.machine import publish
     from workers.control_params import SamplingControl
-    from workers.engine import _find_logits_processor
+    from workers.engine import find_logits_processor
     from workers.model_store import resolve_model
     from workers.sampling import EXTRA_ARGS_KEY, EntropicLogitsProcessor
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                   disable_log_stats=True, dtype=resolve_dtype("auto", torch.cuda.is_available()))
     plain = LLMEngine.from_engine_args(EngineArgs(**common))
     ours = LLMEngine.from_engine_args(EngineArgs(logits_processors=[EntropicLogitsProcessor], **common))
-    processor = _find_logits_processor(ours, EntropicLogitsProcessor)
+    processor = find_logits_processor(ours, EntropicLogitsProcessor)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
 
     def params(control: SamplingControl | None):

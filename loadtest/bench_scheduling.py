@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from deployments.config import SchedulingConfig
     from loadtest.machine import publish
-    from workers.engine import _find_logits_processor
+    from workers.engine import find_logits_processor
     from workers.hardware import resolve_dtype
     from workers.model_store import resolve_model
     from workers.sampling import EntropicLogitsProcessor
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     pi_control = {"board": scheduler.board, "scheduler": scheduler, "weights": scheduling.weights(),
                   "prior_drop": scheduling.prior_drop, "drop_ewma": scheduling.drop_ewma, "period": 0.05,
                   "block_size": ours.vllm_config.cache_config.block_size,
-                  "processor": _find_logits_processor(ours, EntropicLogitsProcessor)}
+                  "processor": find_logits_processor(ours, EntropicLogitsProcessor)}
     tokenizer = fcfs.get_tokenizer()
     jobs = make_trace(args.requests, args.rate, args.seed)
     warm = make_trace(3, 100.0, 99)

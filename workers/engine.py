@@ -84,7 +84,7 @@ class EngineRunner:
         self.engine = LLMEngine.from_engine_args(
             EngineArgs(logits_processors=[EntropicLogitsProcessor], **engine_kwargs)
         )
-        self.processor = _find_logits_processor(self.engine, EntropicLogitsProcessor)
+        self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor)
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
         self._on_step = on_step
@@ -214,7 +214,7 @@ class EngineRunner:
         return delta
 
 
-def _find_logits_processor(engine: Any, cls: type) -> Any:
+def find_logits_processor(engine: Any, cls: type) -> Any:
     """The engine's instance of our logits processor (vllm 0.32.0 object layout)."""
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     found = [p for p in runner.input_batch.logitsprocs.all if isinstance(p, cls)]
