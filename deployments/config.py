@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.control_params import SamplingControl
+from workers.control_params import PruningControl, SamplingControl
 from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 
@@ -100,6 +100,8 @@ class AppConfig(BaseModel):
     num_gpus_per_replica: float = Field(0.0, ge=0)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampling: SamplingControl = Field(default_factory=SamplingControl)
+    pruning: PruningControl = Field(default_factory=PruningControl)
+    pruning_dense_layers: int = Field(0, ge=0, description="first layers that always attend densely (pruned requests too)")
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     request_router: Literal["power_of_two", "soonest_served"] = Field(
         "power_of_two", description="Serve's default router, or deployments.routing.SoonestServedRouter (experimental: "

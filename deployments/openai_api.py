@@ -36,8 +36,11 @@ def _finite(values: list[float]) -> list[float | None]:
 
 
 def _chunk_entropic(delta: Any) -> dict[str, Any]:
-    return {"entropy": _finite(delta.entropy), "temperature": _finite(delta.temperature),
+    body = {"entropy": _finite(delta.entropy), "temperature": _finite(delta.temperature),
             "entropic_time": delta.entropic_time}
+    if delta.kv_blocks:
+        body["kv_blocks"] = [list(kt) for kt in delta.kv_blocks]
+    return body
 
 
 def _sse(payload: Any) -> str:
@@ -169,7 +172,7 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     async def _full(self, kind: str, rid: str, created: int, first: Any, stream: Any) -> Response:
-        text, entropy, temperature = [], [], []
+        text, entropy, temperature, kv_blocks = [], [], [], []
         last = first
         try:
             async for delta in self._deltas(first, stream):
@@ -177,12 +180,15 @@ class OpenAIIngress:
                 text.append(delta.text)
                 entropy += delta.entropy
                 temperature += delta.temperature
+                kv_blocks += [list(kt) for kt in delta.kv_blocks]
         except Exception as exc:
             logger.exception("generation failed")
             return _error(f"generation failed: {exc}", code=500, kind="InternalServerError")
         entropic = {"entropy": _finite(entropy), "temperature": _finite(temperature),
                     "entropic_time": last.entropic_time, "mean_entropy": last.mean_entropy,
                     "entropy_variance": last.entropy_variance}
+        if kv_blocks:
+            entropic["kv_blocks"] = kv_blocks
         if kind == "chat":
             choice = p.ChatCompletionResponseChoice(
                 index=0, message=p.ChatMessage(role="assistant", content="".join(text)),

@@ -35,7 +35,7 @@ from vllm.entrypoints.serve.engine.protocol import (  # noqa: F401
 
 from vllm.exceptions import VLLMValidationError
 
-from workers.control_params import SamplingControl
+from workers.control_params import PruningControl, SamplingControl
 from workers.errors import InvalidRequest
 
 def _optional(field: Any) -> Any:
@@ -43,9 +43,16 @@ def _optional(field: Any) -> Any:
     return (Optional[constrained], None)
 
 
+PruningOptions = create_model(
+    "PruningOptions",
+    __config__=ConfigDict(extra="forbid"),
+    **{name: _optional(field) for name, field in PruningControl.model_fields.items()},
+)
+
 EntropicOptions = create_model(
     "EntropicOptions",
     __config__=ConfigDict(extra="forbid"),
+    pruning=(Optional[PruningOptions], None),  # type: ignore[valid-type]
     **{name: _optional(field) for name, field in SamplingControl.model_fields.items()},
 )
 
@@ -110,6 +117,7 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
 
 
 def overrides(request: Any) -> dict[str, Any] | None:
+    """The request's ``entropic`` object as overrides: sampling fields at the top, ``pruning`` nested."""
     options = request.entropic
     return None if options is None else options.model_dump(exclude_none=True)
 

@@ -62,3 +62,46 @@ class SamplingControl(BaseModel):
             "ema_alpha": self.ema_alpha,
             "t_cal": self.t_cal,
         }
+
+
+class PruningControl(BaseModel):
+    """Entropic pruning of paged KV blocks (paper §3.2 with the guards of §3.3/§5; docs/pruning.md).
+
+    The deployment config holds defaults; a request's ``entropic.pruning`` object overrides any
+    subset. The law itself is ``controller.laws.pruning``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    keep_min: float = Field(0.25, gt=0.0, le=1.0, description="fraction of blocks kept at the lowest entropy")
+    entropy_low: float = Field(0.5, ge=0.0, le=20.0, description="at or below: keep_min (nats)")
+    entropy_high: float = Field(3.0, ge=0.0, le=20.0, description="at or above: everything kept (nats)")
+    epsilon_h: float = Field(0.0, ge=0.0, le=20.0, description="estimator error bound added before pruning")
+    entropy_min: float = Field(0.0, ge=0.0, le=20.0, description="entropy floor H_min for pruning decisions")
+    min_blocks: int = Field(4, ge=2, le=4096, description="B_min; the sink and current blocks are always in")
+    max_step: float = Field(0.1, gt=0.0, le=1.0, description="largest change of the keep fraction per step")
+    min_context_tokens: int = Field(1024, ge=0, description="shorter contexts stay dense")
+    info_weight: float = Field(1.0, ge=0.0, le=10.0, description="weight w of log S_b (block surprisal) in the score")
+
+    @model_validator(mode="after")
+    def _regime_ordered(self) -> "PruningControl":
+        if self.entropy_low >= self.entropy_high:
+            raise ValueError(f"entropy_low ({self.entropy_low}) must be below entropy_high ({self.entropy_high})")
+        return self
+
+    def merged(self, overrides: dict[str, Any] | None) -> "PruningControl":
+        if not overrides:
+            return self
+        return PruningControl.model_validate({**self.model_dump(), **overrides})
+
+    def engine_args(self) -> dict[str, Any] | None:
+        """The plain dict the attention backend reads (``extra_args["entropic"]["pruning"]``); None: dense."""
+        if not self.enabled:
+            return None
+        return self.model_dump(exclude={"enabled"})
+
+    def law(self):
+        from controller.laws.pruning import PruningLaw
+
+        return PruningLaw(**self.model_dump(exclude={"enabled", "info_weight"}))

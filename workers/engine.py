@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from controller.laws.entropic_time import EntropyTrace
+from workers.pruning_state import STATE as PRUNING
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Delta:
     entropic_time: float
     mean_entropy: float
     entropy_variance: float
+    kv_blocks: list[tuple[int, int]] = field(default_factory=list)  # (kept, total) per pruned-path decode step
 
 
 @dataclass
@@ -68,6 +70,8 @@ class _Stream:
     prompt_tokens: int
     emitted: int = 0
     trace: EntropyTrace = field(default_factory=EntropyTrace)
+    pruning: dict[str, Any] | None = None  # the request's pruning args (workers.pruning_state)
+    prompt_surprisal_seen: int = 0
 
 
 # (step wall seconds, estimator seconds in that step, deltas the step produced)
@@ -112,7 +116,8 @@ class EngineRunner:
         if not self.alive:
             raise RuntimeError("engine loop is not running") from self.fatal
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), request_id, time.monotonic(), prompt_tokens)
+        stream = _Stream(loop, asyncio.Queue(), request_id, time.monotonic(), prompt_tokens,
+                         pruning=((getattr(params, "extra_args", None) or {}).get("entropic") or {}).get("pruning"))
 
         def add() -> None:
             try:
@@ -146,6 +151,7 @@ class EngineRunner:
         if self._streams.pop(request_id, None) is not None:
             self.engine.abort_request([request_id])
             self.processor.forget(request_id)
+            PRUNING.forget(request_id)
 
     def _drain_commands(self) -> None:
         block = not self.engine.has_unfinished_requests()
@@ -193,6 +199,10 @@ class EngineRunner:
         temperature = [t for _, t in records]
         for h in entropy:
             stream.trace.add(h)
+        kv_blocks: list[tuple[int, int]] = []
+        if stream.pruning is not None:
+            self._feed_surprisal(stream, output, completion)
+            kv_blocks = PRUNING.drain_kept(stream.key)
         stream.emitted += len(new_ids)
         delta = Delta(
             token_ids=new_ids,
@@ -206,12 +216,33 @@ class EngineRunner:
             entropic_time=stream.trace.tau,
             mean_entropy=stream.trace.mean,
             entropy_variance=stream.trace.variance,
+            kv_blocks=kv_blocks,
         )
         if output.finished:
             self._streams.pop(output.request_id, None)
             self.processor.forget(stream.key)
+            PRUNING.forget(stream.key)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
         return delta
+
+
+    def _feed_surprisal(self, stream: _Stream, output: Any, completion: Any) -> None:
+        """Token surprisal -log p(x_i | x_<i) from vLLM's raw logprobs, for the block scores."""
+        track = PRUNING.request(stream.key, stream.pruning)
+        block_size = self.engine.vllm_config.cache_config.block_size
+        prompt = output.prompt_logprobs
+        if prompt:  # DELTA outputs: each piece continues where the last ended
+            track.add_surprisal(stream.prompt_surprisal_seen, [_surprisal(e) for e in prompt], block_size)
+            stream.prompt_surprisal_seen += len(prompt)
+        if completion.logprobs:
+            values = [_surprisal(entry) for entry in completion.logprobs]
+            track.add_surprisal(stream.prompt_tokens + stream.emitted, values, block_size)
+
+
+def _surprisal(entry: Any) -> float | None:
+    if not entry:
+        return None  # the first prompt token has no conditional probability
+    return -next(iter(entry.values())).logprob
 
 
 def find_logits_processor(engine: Any, cls: type) -> Any:

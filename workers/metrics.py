@@ -15,6 +15,7 @@ _ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.
 _TEMPERATURE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
 _TAU_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 _PRIORITY_BUCKETS = (1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 100)
+_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.999, 1.0)
 _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
@@ -37,6 +38,16 @@ class ReplicaMetrics:
         self._priority = Histogram("entropic_priority", "π(s) published to the scheduler, per sequence and control period",
                                    ["model_name", "source"], buckets=_PRIORITY_BUCKETS)
         self._priority_sources = {src: self._priority.labels(model_name, src) for src in ("controller", "local")}
+        self._kept_ratio = histogram("entropic_kv_blocks_kept_ratio",
+                                     "KV blocks attended / blocks held, per decode step of a pruning-enabled request",
+                                     _RATIO_BUCKETS)
+        self._flops_saved = Counter("entropic_attention_flops_saved", "Attention FLOPs not computed thanks to KV pruning",
+                                    ["model_name"]).labels(model_name)
+        self._bytes_saved = Counter("entropic_kv_bytes_saved", "KV-cache bytes not read thanks to KV pruning",
+                                    ["model_name"]).labels(model_name)
+        self._selection = Counter("entropic_pruning_selection_seconds", "Time spent choosing KV blocks (all layers)",
+                                  ["model_name"]).labels(model_name)
+        self._pruning_seen = (0.0, 0.0, 0.0)
         self._preemptions = Counter("entropic_priority_preemptions", "Running requests preempted for a higher-π waiting one",
                                     ["model_name"]).labels(model_name)
 
@@ -60,8 +71,20 @@ class ReplicaMetrics:
                     self._entropy.observe(h)
                     self._temperature.observe(t)
                     self._tokens.inc()
+            for kept, total in delta.kv_blocks:
+                self._kept_ratio.observe(kept / total)
             if delta.finished:
                 self._tau.observe(delta.entropic_time)
+        self._observe_pruning()
+
+    def _observe_pruning(self) -> None:
+        from workers.pruning_state import STATE
+
+        now = (STATE.stats.attention_flops_saved, STATE.stats.kv_bytes_saved, STATE.stats.selection_seconds)
+        for counter, new, old in zip((self._flops_saved, self._bytes_saved, self._selection), now, self._pruning_seen):
+            if new > old:
+                counter.inc(new - old)
+        self._pruning_seen = now
 
 
 def snapshot() -> list:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.control_params import SamplingControl
+from workers.control_params import PruningControl, SamplingControl
 from workers.errors import InvalidRequest
 from workers.sampling import _GREEDY_EPS, EXTRA_ARGS_KEY
 
@@ -57,6 +57,7 @@ def sampling_params(
     generation_defaults: dict[str, Any],
     control: SamplingControl,
     key: str,
+    pruning: PruningControl | None = None,
 ) -> Any:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import RequestOutputKind
@@ -84,5 +85,13 @@ def sampling_params(
         params.temperature = 1.0  # the logits processor applies the whole controlled temperature
     extra = dict(params.extra_args or {})
     extra[EXTRA_ARGS_KEY] = control.engine_args(key, requested_temperature)
+    pruning_args = pruning.engine_args() if pruning is not None else None
+    if pruning_args is not None:
+        extra[EXTRA_ARGS_KEY]["pruning"] = pruning_args
+        if pruning.info_weight > 0 and prompt_len >= pruning.min_context_tokens:
+            # Block information content needs each token's surprisal: vLLM's raw logprobs of the
+            # prompt tokens and of each sampled token (workers.engine feeds them to the pruner).
+            params.prompt_logprobs = 0
+            params.logprobs = 0
     params.extra_args = extra
     return params

@@ -34,6 +34,9 @@ class EntropicWorker:
         from workers.engine import configure_process_env
 
         configure_process_env(self.config.engine.cpu_threads, self.config.engine.kv_cache_space_gib)
+        from workers.pruning_state import STATE
+
+        STATE.dense_layers = self.config.pruning_dense_layers
         from workers.engine import EngineRunner
         from workers.metrics import ReplicaMetrics
         from workers.model_store import resolve_model
@@ -70,8 +73,11 @@ class EntropicWorker:
     async def generate(self, kind: str, request: Any, control_overrides: dict[str, Any] | None) -> AsyncIterator[Any]:
         from workers.prompts import prompt_token_ids, sampling_params
 
+        overrides = dict(control_overrides or {})
+        pruning_overrides = overrides.pop("pruning", None)
         try:
-            control = self.config.sampling.merged(control_overrides)
+            control = self.config.sampling.merged(overrides)
+            pruning = self.config.pruning.merged(pruning_overrides)
         except ValueError as exc:
             raise InvalidRequest(f"invalid entropic parameters: {exc}", "entropic") from None
         ids = prompt_token_ids(kind, request, self.runner.tokenizer)
@@ -79,7 +85,7 @@ class EntropicWorker:
             raise InvalidRequest("the prompt is empty", "messages" if kind == "chat" else "prompt")
         key = f"{kind}-{uuid.uuid4().hex}"
         params = sampling_params(
-            kind, request, len(ids), self.runner.max_model_len, self.generation_defaults, control, key
+            kind, request, len(ids), self.runner.max_model_len, self.generation_defaults, control, key, pruning
         )
         from workers.engine import EngineRequestError
 

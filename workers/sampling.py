@@ -52,6 +52,7 @@ class _RequestState:
     observe_temperature: float
     output_ids: list[int]
     t_next: float
+    pruning: dict[str, Any] | None = None  # read by workers.pruned_attention through workers.pruning_state
     t_cur: float = 0.0
     pos: int = -1
     ema_base: float | None = None
@@ -73,7 +74,7 @@ class _RequestState:
             key=str(cfg["key"]), control=control, law=law, estimator=Estimator(cfg["estimator"]),
             topk=int(cfg["topk"]), ema_alpha=float(cfg["ema_alpha"]), t_cal=float(cfg["t_cal"]),
             greedy=greedy, observe_temperature=1.0 if greedy else float(params.temperature),
-            output_ids=output_ids, t_next=float(cfg["t0"]),
+            output_ids=output_ids, t_next=float(cfg["t0"]), pruning=cfg.get("pruning"),
         )
 
     def begin_position(self) -> None:
@@ -82,6 +83,11 @@ class _RequestState:
             self.pos = pos
             self.t_cur = self.t_next
             self.ema_base = self.ema
+
+    @property
+    def entropy(self) -> float:
+        """The latest (smoothed) entropy estimate; nan before the first token."""
+        return math.nan if self.ema is None else self.ema
 
     @property
     def divisor(self) -> float:
@@ -115,6 +121,9 @@ class EntropicLogitsProcessor(LogitsProcessor):
         self._rows: dict[int, _RequestState] = {}
         self._by_key: dict[str, _RequestState] = {}
         self.estimator_seconds = 0.0
+        from workers.pruning_state import STATE
+
+        STATE.attach_rows(self._rows)
 
     def is_argmax_invariant(self) -> bool:
         return False

@@ -1,0 +1,128 @@
+"""Pruning budget law, block scoring and selection (pure; torch reference and Triton under the interpreter)."""
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from controller.laws.pruning import PruningLaw, blocks_to_keep, next_keep_fraction, target_keep_fraction
+from kernels.block_select import block_scores, select_blocks, summarize_blocks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_low_entropy_prunes_hard_high_entropy_attends_everything():
+    law = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5)
+    assert target_keep_fraction(0.1, law) == pytest.approx(0.2)
+    assert target_keep_fraction(3.0, law) == 1.0
+    assert target_keep_fraction(1.5, law) == pytest.approx(0.6)
+    assert target_keep_fraction(math.nan, law) == 1.0  # no estimate yet
+
+
+def test_entropy_floor_and_error_bound_make_pruning_conservative():
+    plain = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5)
+    floored = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5, entropy_min=1.5)
+    widened = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5, epsilon_h=1.0)
+    # an overconfident estimate (0.0) cannot push the floored law below f(H_min)
+    assert target_keep_fraction(0.0, floored) == pytest.approx(target_keep_fraction(1.5, plain))
+    assert target_keep_fraction(0.5, widened) == pytest.approx(target_keep_fraction(1.5, plain))
+    for h in (0.0, 0.7, 1.9, 4.0):
+        assert target_keep_fraction(h, floored) >= target_keep_fraction(h, plain)
+        assert target_keep_fraction(h, widened) >= target_keep_fraction(h, plain)
+
+
+def test_rate_of_change_is_bounded_and_starts_dense():
+    law = PruningLaw(keep_min=0.1, max_step=0.2)
+    f = None
+    seen = []
+    for _ in range(6):
+        f = next_keep_fraction(f, 0.0, law)
+        seen.append(f)
+    assert seen[0] == pytest.approx(0.8)  # from 1.0, one step
+    assert all(abs(a - b) <= 0.2 + 1e-12 for a, b in zip([1.0] + seen, seen))
+    assert seen[-1] == pytest.approx(0.1)
+    assert next_keep_fraction(0.1, 10.0, law) == pytest.approx(0.3)
+
+
+def test_block_budget_guards():
+    law = PruningLaw(min_blocks=4, min_context_tokens=1024)
+    assert blocks_to_keep(40, 5000, 0.01, law) == 4  # B_min
+    assert blocks_to_keep(40, 5000, 0.5, law) == 20
+    assert blocks_to_keep(40, 5000, 1.0, law) == 40
+    assert blocks_to_keep(6, 700, 0.1, law) == 6  # short context stays dense
+    assert blocks_to_keep(2, 5000, 0.1, PruningLaw(min_context_tokens=0)) == 2
+    with pytest.raises(ValueError):
+        PruningLaw(min_blocks=1)
+
+
+def _brute_scores(q, kmin, kmax, scale, log_info):
+    # q [P, KVH, G, D]; per block: max over heads of sum_c max(q kmax, q kmin)
+    prod = torch.maximum(q[:, None] * kmax[:, :, :, None], q[:, None] * kmin[:, :, :, None]).sum(-1)
+    return prod.flatten(2).amax(-1) * scale + log_info
+
+
+def test_matmul_form_equals_the_per_channel_bound():
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 4, 16)
+    a, b = torch.randn(3, 10, 2, 16), torch.randn(3, 10, 2, 16)
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    info = torch.randn(3, 10)
+    got = block_scores(q, kmin, kmax, 0.125, info)
+    assert torch.allclose(got, _brute_scores(q, kmin, kmax, 0.125, info), atol=1e-5)
+
+
+def test_bound_is_an_upper_bound_of_every_token_logit():
+    torch.manual_seed(1)
+    keys = torch.randn(8, 2, 32, 16)  # blocks, kv heads, tokens, channels
+    kmin, kmax = torch.empty(8, 2, 16), torch.empty(8, 2, 16)
+    summarize_blocks(keys, torch.arange(8), kmin, kmax)
+    q = torch.randn(1, 2, 3, 16)
+    scores = block_scores(q, kmin[None], kmax[None], 1.0)
+    logits = torch.einsum("kgd,bktd->bkgt", q[0], keys)  # every q.k
+    assert bool((logits.flatten(1).amax(1) <= scores[0] + 1e-4).all())
+
+
+def test_selection_keeps_sink_and_current_block_in_order():
+    scores = torch.tensor([[0.0, 5.0, 1.0, 9.0, 2.0, -1.0, 0.0, 0.0],
+                           [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
+    num_blocks = torch.tensor([6, 4])
+    keep = torch.tensor([4, 2])
+    chosen = select_blocks(scores, num_blocks, keep)
+    assert chosen[0].tolist() == [0, 1, 3, 5]  # sink, two best middle blocks, current block last
+    assert chosen[1, :2].tolist() == [0, 3]
+    full = select_blocks(scores[:1], torch.tensor([6]), torch.tensor([6]))
+    assert full[0].tolist() == list(range(6))
+
+
+def test_triton_kernels_match_torch_under_interpreter(tmp_path):
+    # The interpreter must be chosen before triton is imported: run in a fresh process.
+    script = textwrap.dedent("""
+        import torch
+        from kernels import block_select, block_select_triton
+        torch.manual_seed(0)
+        cache = torch.randn(12, 3, 64, 2 * 32)  # blocks, kv heads, block_size, 2 * head_dim (CPU layout)
+        keys = cache.view(12, 3, 2 * 64 * 32)[:, :, :64 * 32].view(12, 3, 32, 64).transpose(2, 3)
+        ids = torch.tensor([2, 5, 7, 11])
+        want = [torch.zeros(12, 3, 32) for _ in range(2)]
+        got = [torch.zeros(12, 3, 32) for _ in range(2)]
+        block_select.summarize_blocks(keys, ids, *want)
+        block_select_triton.summarize_blocks(keys, ids, *got)
+        assert all(torch.allclose(g, w) for g, w in zip(got, want))
+        kmin, kmax = want
+        table = torch.tensor([[1, 2, 5, 7, 11, 0], [4, 11, 2, 0, 0, 0]])
+        nblocks = torch.tensor([5, 3])
+        q = torch.randn(2, 9, 32)
+        info = torch.randn(2, 6)
+        t = block_select_triton.block_scores(q, table, nblocks, kmin, kmax, 0.2, info, 0.5)
+        r = block_select.block_scores(q.view(2, 3, 3, 32), kmin[table], kmax[table], 0.2, info, 0.5)
+        r = r.masked_fill(torch.arange(6)[None] >= nblocks[:, None], float("-inf"))
+        assert torch.allclose(t, r, atol=1e-4), (t, r)
+        print("triton-ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "triton-ok" in result.stdout, result.stderr[-3000:]

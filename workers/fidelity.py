@@ -1,0 +1,85 @@
+"""Logits processors for measuring output fidelity on the real engine (adapter; vllm 0.32.0).
+
+Used by the pruning tests and benchmarks, never by the serving path. Per request, through
+``SamplingParams.extra_args["fidelity"]``:
+
+* ``{"key": k, "scale": s}`` (``LogitScale``): multiplies the logits by s before anything
+  else sees them. s > 1 makes the model look overconfident (entropy drops, argmax unchanged):
+  the calibration stress of paper §6.2.
+* ``{"key": k, "force": [ids...]}`` (``TeacherForcing``): records the row's log-softmax
+  (its argmax and the full distribution for KL) and then forces the next token to
+  force[position], so a pruned and a dense run see the same prefixes (teacher forcing)
+  while every position is a real decode step.
+
+List them before/after ``EntropicLogitsProcessor`` as needed: vLLM applies processors in
+the order given.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+KEY = "fidelity"
+
+
+class _RowProcessor(LogitsProcessor):
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, tuple[dict[str, Any], list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _prompt, output_ids in batch_update.added:
+            cfg = (params.extra_args or {}).get(KEY) if params is not None else None
+            if cfg is not None and self.wants(cfg):
+                self.rows[index] = (cfg, output_ids)
+            else:
+                self.rows.pop(index, None)
+        for src, dst, direction in batch_update.moved:
+            a, b = self.rows.pop(src, None), self.rows.pop(dst, None)
+            if a is not None:
+                self.rows[dst] = a
+            if direction == MoveDirectionality.SWAP and b is not None:
+                self.rows[src] = b
+
+    def wants(self, cfg: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+
+class LogitScale(_RowProcessor):
+    def wants(self, cfg: dict[str, Any]) -> bool:
+        return "scale" in cfg
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (cfg, _) in self.rows.items():
+            if index < logits.shape[0]:
+                logits[index] *= float(cfg["scale"])
+        return logits
+
+
+class TeacherForcing(_RowProcessor):
+    """Records log p(. | forced prefix) per position into ``records[key]``; forces the next token."""
+
+    records: dict[str, dict[int, torch.Tensor]] = {}
+
+    def wants(self, cfg: dict[str, Any]) -> bool:
+        return "force" in cfg
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (cfg, output_ids) in self.rows.items():
+            if index >= logits.shape[0]:
+                continue
+            pos = len(output_ids)
+            TeacherForcing.records.setdefault(cfg["key"], {})[pos] = torch.log_softmax(logits[index].float(), -1).clone()
+            forced = cfg["force"]
+            if pos < len(forced):
+                logits[index].fill_(float("-inf"))
+                logits[index, forced[pos]] = 0.0
+        return logits

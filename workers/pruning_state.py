@@ -1,0 +1,113 @@
+"""Per-process state shared by the sampling processor, the pruned attention backend and the engine runner.
+
+vLLM hands the attention metadata builder no request ids, but its rows are the model
+runner's input-batch rows, which are also the logits processor's batch indices (vllm 0.32.0:
+``refresh_metadata`` updates the processors before the step's attention metadata is built).
+The logits processor therefore publishes its row -> request state map here, and the builder
+reads each decoding row's request key, pruning parameters and latest entropy from it.
+
+One engine per process (the replica's in-process engine, or a vLLM worker process) and one
+engine thread: the builder, the attention layers and the runner's delivery all run on that
+thread between steps, so nothing here needs a lock; metric readers only read counters.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from controller.laws.pruning import PruningLaw, blocks_to_keep, next_keep_fraction
+
+
+@dataclass
+class RequestPruning:
+    law: PruningLaw
+    info_weight: float
+    fraction: float | None = None
+    block_surprisal: list[float] = field(default_factory=list)  # S_b per logical block, known tokens only
+    known_tokens: list[int] = field(default_factory=list)
+    surprisal_total: float = 0.0
+    surprisal_count: int = 0
+    kept_log: list[tuple[int, int]] = field(default_factory=list)  # (kept, total) per decode step, drained
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> "RequestPruning":
+        law_args = {k: v for k, v in args.items() if k != "info_weight"}
+        return cls(law=PruningLaw(**law_args), info_weight=float(args.get("info_weight", 1.0)))
+
+    def decide(self, entropy: float, num_blocks: int, context_tokens: int) -> int:
+        self.fraction = next_keep_fraction(self.fraction, entropy, self.law)
+        return blocks_to_keep(num_blocks, context_tokens, self.fraction, self.law)
+
+    def add_surprisal(self, start: int, values: list[float], block_size: int) -> None:
+        """Surprisal of the tokens at positions start, start+1, ... of the sequence."""
+        for offset, s in enumerate(values):
+            if s is None or not math.isfinite(s):
+                continue
+            b = (start + offset) // block_size
+            while len(self.block_surprisal) <= b:
+                self.block_surprisal.append(0.0)
+                self.known_tokens.append(0)
+            self.block_surprisal[b] += s
+            self.known_tokens[b] += 1
+            self.surprisal_total += s
+            self.surprisal_count += 1
+
+    def log_info(self, num_blocks: int, block_size: int) -> list[float] | None:
+        """log S_b for the first num_blocks blocks; unknown tokens count at the request's mean surprisal."""
+        if not self.surprisal_count or self.info_weight == 0.0:
+            return None
+        mean = self.surprisal_total / self.surprisal_count
+        out = []
+        for b in range(num_blocks):
+            known = self.known_tokens[b] if b < len(self.known_tokens) else 0
+            total = self.block_surprisal[b] if b < len(self.block_surprisal) else 0.0
+            out.append(math.log(max(total + (block_size - known) * mean, 1e-6)))
+        return out
+
+
+class PruningStats:
+    """Cumulative counters (read by the replica's metrics, deltas per scrape)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.pruned_rows = 0
+        self.blocks_total = 0
+        self.blocks_kept = 0
+        self.attention_flops_saved = 0.0
+        self.kv_bytes_saved = 0.0
+        self.selection_seconds = 0.0
+
+
+class PruningState:
+    def __init__(self) -> None:
+        self.rows: dict[int, Any] = {}
+        self.requests: dict[str, RequestPruning] = {}
+        self.stats = PruningStats()
+        self.dense_layers = 0
+        self.summary_valid: torch.Tensor | None = None
+
+    def attach_rows(self, rows: dict[int, Any]) -> None:
+        """The logits processor's live batch-index -> request-state map."""
+        self.rows = rows
+
+    def request(self, key: str, args: dict[str, Any]) -> RequestPruning:
+        state = self.requests.get(key)
+        if state is None:
+            state = self.requests[key] = RequestPruning.from_args(args)
+        return state
+
+    def drain_kept(self, key: str) -> list[tuple[int, int]]:
+        state = self.requests.get(key)
+        if state is None or not state.kept_log:
+            return []
+        out, state.kept_log = state.kept_log, []
+        return out
+
+    def forget(self, key: str) -> None:
+        self.requests.pop(key, None)
+
+
+STATE = PruningState()
