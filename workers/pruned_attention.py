@@ -88,14 +88,16 @@ class PrunedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             return False
         return True
 
+    _summary_valid: torch.Tensor | None = None  # per physical block: its key summaries are current
+
     def _summary_flags(self) -> torch.Tensor:
-        if STATE.summary_valid is None:
+        if self._summary_valid is None:
             blocks = self.vllm_config.cache_config.num_gpu_blocks or 1
-            STATE.summary_valid = torch.zeros(blocks, dtype=torch.bool)
-        return STATE.summary_valid
+            self._summary_valid = torch.zeros(blocks, dtype=torch.bool)
+        return self._summary_valid
 
     def _plan(self, cm: Any) -> tuple[PrunePlan | None, Any]:
-        if not STATE.rows and STATE.summary_valid is None:
+        if not STATE.rows and self._summary_valid is None:
             return None, cm
         bs = self.block_size
         valid = self._summary_flags()
@@ -122,7 +124,7 @@ class PrunedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             track.kept_log.append((k, n))
             STATE.stats.blocks_total += n
             STATE.stats.blocks_kept += k
-            if k < n:
+            if k < n or STATE.always_select:
                 rows.append(row)
                 keep.append(k)
                 nblocks.append(n)

@@ -16,8 +16,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from controller.laws.pruning import PruningLaw, blocks_to_keep, next_keep_fraction
 
 
@@ -87,7 +85,9 @@ class PruningState:
         self.requests: dict[str, RequestPruning] = {}
         self.stats = PruningStats()
         self.dense_layers = 0
-        self.summary_valid: torch.Tensor | None = None
+        # Debug/test knob: send rows through selection even when every block is kept, to show the
+        # pruned path itself (compacted table, scheduler metadata) changes nothing.
+        self.always_select = False
 
     def attach_rows(self, rows: dict[int, Any]) -> None:
         """The logits processor's live batch-index -> request-state map."""
