@@ -3,7 +3,6 @@
 Every query uses metric names the code exports (vLLM's ``vllm:*`` recorded by each replica's
 engine, our ``entropic_*``); tests/test_prometheus_dashboards.py runs each one against a real
 Prometheus scraping a running deployment and fails on an invalid query or an empty result.
-Panels for the pruning and controller layers are added here when those layers export their metrics.
 """
 from __future__ import annotations
 
@@ -71,6 +70,18 @@ SERVING = [
                                               "mean": mean("entropic_request_entropic_time_nats")}),
         Panel("Estimator share of engine step time", {
             "{{replica}}": f"sum by (replica) (rate(entropic_estimator_seconds_sum[{RATE}])) / "
+                           f"sum by (replica) (rate(entropic_engine_step_seconds_sum[{RATE}]))"}, "percentunit"),
+    ]),
+    Row("Entropic KV pruning (meso layer)", [
+        Panel("KV blocks kept / held", {**quantiles("entropic_kv_blocks_kept_ratio"),
+                                        "mean": mean("entropic_kv_blocks_kept_ratio")}, "percentunit",
+              description="Per decode step of pruning-enabled requests; 1 = dense (e.g. short contexts)"),
+        Panel("Attention FLOPs saved per second", {
+            "{{replica}}": f"sum by (replica) (rate(entropic_attention_flops_saved_total[{RATE}]))"}),
+        Panel("KV-cache bytes not read per second", {
+            "{{replica}}": f"sum by (replica) (rate(entropic_kv_bytes_saved_total[{RATE}]))"}, "Bps"),
+        Panel("Block selection share of engine step time", {
+            "{{replica}}": f"sum by (replica) (rate(entropic_pruning_selection_seconds_total[{RATE}])) / "
                            f"sum by (replica) (rate(entropic_engine_step_seconds_sum[{RATE}]))"}, "percentunit"),
     ]),
     Row("Entropy-aware scheduling (macro layer)", [

@@ -142,6 +142,26 @@ def test_debug_endpoint_shows_priorities_of_active_requests(server, client, serv
     assert all(pi > 0 and rank >= 1 for pi, rank in seen.values())
 
 
+LONG_PROMPT = ("Remember this: the secret colour is turquoise. " + "The grass is green. The sky is blue. " * 160
+               + "What is the secret colour? The secret colour is")
+
+
+def test_kv_pruning_on_the_serving_path(client, served_model):
+    # ~1.5K tokens: above the default min_context_tokens (1024); an aggressive per-request setting
+    out = client.completions.create(model=served_model, prompt=LONG_PROMPT, max_tokens=8, temperature=0, extra_body={
+        "entropic": {"pruning": {"keep_min": 0.3, "entropy_high": 20.0, "max_step": 1.0}}})
+    kv_blocks = _entropic(out.choices[0])["kv_blocks"]
+    assert len(kv_blocks) == out.usage.completion_tokens - 1  # every decode step (the first token is prefill)
+    assert all(kept < total for kept, total in kv_blocks), kv_blocks
+    assert "turquoise" in out.choices[0].text
+    # short context: pruning switches itself off (every block kept); opting out: no pruning telemetry at all
+    short = client.completions.create(model=served_model, prompt="The sky is", max_tokens=4, temperature=0)
+    assert all(kept == total for kept, total in _entropic(short.choices[0])["kv_blocks"])
+    off = client.completions.create(model=served_model, prompt=LONG_PROMPT, max_tokens=3, temperature=0,
+                                    extra_body={"entropic": {"pruning": {"enabled": False}}})
+    assert "kv_blocks" not in _entropic(off.choices[0])
+
+
 def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, client, served_model):
     client.completions.create(model=served_model, prompt="Hi", max_tokens=4)
     text = httpx.get(f"{server}/metrics", timeout=30).text
@@ -154,7 +174,9 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
                  "entropic_request_entropic_time_nats_count", "entropic_estimator_seconds_count",
                  "entropic_engine_step_seconds_count", "entropic_priority_count",
                  "entropic_priority_preemptions_total", "entropic_telemetry_lag_seconds_count",
-                 "entropic_controller_loop_seconds_count"):
+                 "entropic_controller_loop_seconds_count", "entropic_kv_blocks_kept_ratio_count",
+                 "entropic_attention_flops_saved_total", "entropic_kv_bytes_saved_total",
+                 "entropic_pruning_selection_seconds_total"):
         assert _metric_values(text, name), name
     assert sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0
 
@@ -175,6 +197,9 @@ BAD_REQUESTS = [
     ("chat", {"messages": FACT_PROMPT, "entropic": {"unknown": 1}}, "entropic.unknown"),
     ("chat", {"messages": FACT_PROMPT, "entropic": [1, 2]}, "entropic"),
     ("completion", {"prompt": ""}, "prompt"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"keep_min": 0}}}, "entropic.pruning.keep_min"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"entropy_low": 4, "entropy_high": 1}}}, "entropic"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"blocks": 3}}}, "entropic.pruning.blocks"),
     ("chat", {"messages": "not a list"}, "messages"),
 ]
 

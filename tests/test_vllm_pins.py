@@ -64,3 +64,58 @@ def test_scheduler_internals_we_use():
         assert attribute in source, attribute
     assert "_heap" in inspect.getsource(PriorityRequestQueue.__init__)
     assert "self.priority" in inspect.getsource(Request.__lt__)
+
+
+def test_pruned_attention_adapter_points():
+    from importlib.metadata import entry_points
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackendImpl,
+        CPUAttentionMetadata,
+        CPUAttentionMetadataBuilder,
+    )
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: F401
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("entropic_pruning") == "workers.vllm_plugin:register", "run `make install` (editable install)"
+    assert AttentionBackendEnum.CPU_ATTN
+    assert list(inspect.signature(CPUAttentionMetadataBuilder.build).parameters) == [
+        "self", "common_prefix_len", "common_attn_metadata", "fast_build"]
+    assert list(inspect.signature(CPUAttentionBackendImpl.forward).parameters)[:8] == [
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
+    fields = set(CPUAttentionMetadata.__dataclass_fields__)
+    assert {"block_table", "seq_lens", "scheduler_metadata", "max_seq_len", "query_start_loc"} <= fields
+    common = set(CommonAttentionMetadata.__dataclass_fields__)
+    assert {"req_idx", "is_prefilling", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound",
+            "block_table_tensor", "slot_mapping", "num_actual_tokens"} <= common
+    builder_source = inspect.getsource(CPUAttentionMetadataBuilder)
+    for attribute in ("self.isa", "self.block_size", "self.num_heads", "self.num_kv_heads", "self.head_dim",
+                      "self.window_size", "self.is_cross_attention", "self.is_encoder_only_attention"):
+        assert attribute in builder_source, attribute
+    # logits processors see the batch before the step's attention metadata is built (workers/pruning_state.py)
+    update = inspect.getsource(GPUModelRunner._update_states)
+    assert "refresh_metadata" in update
+
+
+def test_cpu_key_cache_layout_is_what_the_pruner_reads():
+    """Write keys with vLLM's own CPU cache op and read them back through key_cache_view."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from workers.pruned_attention import SUPPORTED_ISAS, key_cache_view
+
+    blocks, kv_heads, block_size, d = 4, 3, 32, 64
+    kv_cache = torch.zeros(blocks, kv_heads, block_size, 2 * d)
+    tokens = 40
+    key, value = torch.randn(tokens, kv_heads, d), torch.randn(tokens, kv_heads, d)
+    slots = torch.arange(block_size, block_size + tokens, dtype=torch.int64)  # blocks 1 and 2
+    view = kv_cache.view(blocks, kv_heads, 2 * block_size, d)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    for isa in SUPPORTED_ISAS:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        keys = key_cache_view(kv_cache)
+        for i, slot in enumerate(slots.tolist()):
+            assert torch.equal(keys[slot // block_size, :, slot % block_size], key[i]), (isa, slot)

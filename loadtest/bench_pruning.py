@@ -1,0 +1,179 @@
+"""Decode throughput with entropic KV pruning vs plain vLLM, by context length and block size.
+
+Each engine runs in its own process, one after the other on the same machine:
+* ``plain``: stock vLLM (``VLLM_PLUGINS`` names none of ours: vLLM's own CPU attention, no
+  logits processors);
+* ``pruned``: our worker path (our backend from the entry point, EntropicLogitsProcessor)
+  with the request's ``entropic.pruning`` setting (``--keep`` fixes the kept fraction the
+  fidelity tests use; without it the deployment default law runs).
+
+Per context length, batch ``--batch`` rows share one prompt prefix (distinct last line, so
+greedy rows differ); the prefix is prefilled once (warm-up) so both engines decode from the
+same prefix-cache state. Decode rate = batch * (N - 1) / (t(N tokens) - t(1 token)), the
+median of ``--reps`` repetitions. The pruned process also reports blocks kept, attention
+FLOPs and KV bytes per generated token (analytic dense figures minus what the backend
+skipped) and block-selection time per step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def _prompts(tokenizer, context: int, batch: int) -> list[str]:
+    per = len(tokenizer.encode(FILLER, add_special_tokens=False))
+    body = FILLER * max(1, (context - 40) // per)
+    return [f"{body}\nQuestion {i}: what colour is the sky? Answer:" for i in range(batch)]
+
+
+def worker(args) -> dict:
+    from workers.engine import configure_process_env
+
+    configure_process_env(args.threads, args.kv_gib)
+    from vllm import LLM, SamplingParams
+
+    pruned = args.worker == "pruned"
+    kwargs = {}
+    if pruned:
+        from workers.sampling import EntropicLogitsProcessor
+
+        kwargs["logits_processors"] = [EntropicLogitsProcessor]
+    from workers.model_store import resolve_model
+
+    llm = LLM(model=str(resolve_model(args.model)), enforce_eager=True, dtype="float32", max_model_len=8192,
+              max_num_seqs=args.batch, block_size=args.block_size, seed=0, **kwargs)
+    config = llm.llm_engine.vllm_config.model_config.hf_config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    layers = config.num_hidden_layers
+    tokenizer = llm.get_tokenizer()
+
+    def params(max_tokens: int):
+        if not pruned:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        import uuid
+
+        from workers.control_params import PruningControl, SamplingControl
+
+        control = PruningControl() if args.keep is None else PruningControl(
+            keep_min=args.keep, entropy_high=20.0, max_step=1.0)
+        entropic = SamplingControl().engine_args(uuid.uuid4().hex, 0.0)
+        entropic["pruning"] = control.engine_args()
+        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args={"entropic": entropic})
+        if control.info_weight > 0:
+            p.logprobs = 0
+        return p
+
+    from workers.pruning_state import STATE
+
+    results = []
+    for context in args.contexts:
+        prompts = _prompts(tokenizer, context, args.batch)
+        tokens = len(tokenizer.encode(prompts[0]))
+        llm.generate(prompts, [params(1) for _ in prompts], use_tqdm=False)  # warm the prefix cache
+        rates = []
+        before = vars(STATE.stats).copy()
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            llm.generate(prompts, [params(1) for _ in prompts], use_tqdm=False)
+            t1 = time.perf_counter()
+            llm.generate(prompts, [params(args.new_tokens) for _ in prompts], use_tqdm=False)
+            t2 = time.perf_counter()
+            rates.append(args.batch * (args.new_tokens - 1) / ((t2 - t1) - (t1 - t0)))
+        after = vars(STATE.stats)
+        decode_tokens = args.reps * args.batch * (args.new_tokens - 1)
+        dense_flops = 4 * heads * head_dim * tokens * layers
+        dense_bytes = 2 * kv_heads * head_dim * 4 * tokens * layers
+        total = after["blocks_total"] - before["blocks_total"]
+        row = {"context": context, "prompt_tokens": tokens, "decode_tok_s": statistics.median(rates), "rates": rates,
+               "kept_ratio": (after["blocks_kept"] - before["blocks_kept"]) / total if total else 1.0,
+               "attn_flops_per_token": dense_flops - (after["attention_flops_saved"] - before["attention_flops_saved"])
+               / decode_tokens,
+               "kv_bytes_per_token": dense_bytes - (after["kv_bytes_saved"] - before["kv_bytes_saved"]) / decode_tokens,
+               "selection_ms_per_step": 1e3 * (after["selection_seconds"] - before["selection_seconds"])
+               / (args.reps * (args.new_tokens - 1) * 2)}
+        results.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return {"results": results}
+
+
+def _run_worker(kind: str, block_size: int, args) -> dict:
+    env = dict(os.environ)
+    if kind == "plain":
+        env["VLLM_PLUGINS"] = "none-of-ours"  # load no general plugin: vLLM's own CPU attention
+    cmd = [sys.executable, "-m", "loadtest.bench_pruning", "--worker", kind, "--block-size", str(block_size),
+           "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
+           "--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model,
+           "--contexts", *map(str, args.contexts)]
+    if args.keep is not None:
+        cmd += ["--keep", str(args.keep)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _render(result: dict) -> str:
+    lines = [f"# KV pruning benchmark: plain vLLM vs entropic pruning ({result['date']})", "",
+             f"Command: `{result['command']}`", "", f"Machine: {result['machine']}", "",
+             f"Batch {result['batch']}, {result['new_tokens']} new tokens, median of {result['reps']} repetitions, "
+             f"pruning setting: {result['setting']}.", "",
+             "| block | context | plain tok/s | pruned tok/s | ratio | kept | attn FLOPs/tok (pruned/dense) "
+             "| KV MB/tok (pruned/dense) | selection ms/step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['block_size']} | {r['prompt_tokens']} | {r['plain_tok_s']:.1f} | {r['pruned_tok_s']:.1f} | "
+                     f"{r['ratio']:.2f}x | {r['kept_ratio']:.2f} | {r['attn_flops_pruned'] / 1e6:.0f}M / "
+                     f"{r['attn_flops_dense'] / 1e6:.0f}M | {r['kv_bytes_pruned'] / 1e6:.1f} / "
+                     f"{r['kv_bytes_dense'] / 1e6:.1f} | {r['selection_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=["plain", "pruned"])
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[128])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096, 7168])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--keep", type=float, default=None, help="fixed keep fraction; default: the deployment law")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-gib", type=int, default=4)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--out", default="docs/benchmarks/pruning")
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+
+    from loadtest.machine import publish
+
+    rows = []
+    for block_size in args.block_sizes:
+        plain = _run_worker("plain", block_size, args)["results"]
+        pruned = _run_worker("pruned", block_size, args)["results"]
+        for a, b in zip(plain, pruned):
+            rows.append({"block_size": block_size, "context": a["context"], "prompt_tokens": a["prompt_tokens"],
+                         "plain_tok_s": a["decode_tok_s"], "pruned_tok_s": b["decode_tok_s"],
+                         "ratio": b["decode_tok_s"] / a["decode_tok_s"], "kept_ratio": b["kept_ratio"],
+                         "attn_flops_dense": a["attn_flops_per_token"], "attn_flops_pruned": b["attn_flops_per_token"],
+                         "kv_bytes_dense": a["kv_bytes_per_token"], "kv_bytes_pruned": b["kv_bytes_per_token"],
+                         "selection_ms": b["selection_ms_per_step"], "plain_rates": a["rates"],
+                         "pruned_rates": b["rates"]})
+    setting = "deployment default law" if args.keep is None else f"keep {args.keep} from the first decode step"
+    publish("loadtest.bench_pruning", argv, args.out,
+            {"batch": args.batch, "new_tokens": args.new_tokens, "reps": args.reps, "setting": setting, "rows": rows},
+            _render)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
