@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test model bench bench-scheduling prometheus dashboards
+.PHONY: install serve test model bench bench-scheduling bench-pruning prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -46,3 +46,6 @@ bench: model
 
 bench-scheduling: model
 	$(PY) -m loadtest.bench_scheduling $(ARGS)
+
+bench-pruning: model
+	$(PY) -m loadtest.bench_pruning $(ARGS)
