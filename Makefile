@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test model bench bench-scheduling bench-pruning prometheus dashboards
+.PHONY: install serve test model bench bench-scheduling bench-pruning ablation prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -49,3 +49,6 @@ bench-scheduling: model
 
 bench-pruning: model
 	$(PY) -m loadtest.bench_pruning $(ARGS)
+
+ablation: model
+	$(PY) -m loadtest.ablation $(ARGS)

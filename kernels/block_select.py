@@ -13,8 +13,9 @@ therefore at most exp(scale * U_b - lse) * S_b, and score_b (w = 1) is the log o
 up to the row constant lse. The block table is shared by the KV heads, so a block is
 scored by its most interested query head (max over h).
 
-The q+/q- split turns the per-channel max into two batched matmuls instead of materialising
-[P, blocks, heads, channels] products: this is the "fused" form the CPU path uses.
+The q+/q- split turns the per-channel max into one batched matmul of [q+ | q-] against the
+packed summaries [kmax | kmin] instead of materialising [P, blocks, heads, channels] products:
+this is the fused form the CPU path runs, about ten tensor ops per layer and step in all.
 """
 from __future__ import annotations
 
@@ -23,45 +24,54 @@ import torch
 KEEP = float("inf")
 
 
-def block_scores(
-    q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    scale: float,
-    log_info: torch.Tensor | None = None,
-    info_weight: float = 1.0,
-) -> torch.Tensor:
-    """Scores [P, NB] from queries q [P, KVH, G, D] and key summaries kmin/kmax [P, NB, KVH, D]."""
-    q = q.float()
-    pos, neg = q.clamp(min=0), q.clamp(max=0)
-    upper = pos @ kmax.permute(0, 2, 3, 1) + neg @ kmin.permute(0, 2, 3, 1)  # [P, KVH, G, NB]
-    score = upper.flatten(1, 2).amax(dim=1) * scale
-    if log_info is not None and info_weight != 0.0:
-        score = score + info_weight * log_info
-    return score
+def pack_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """[..., D] min and max -> [..., 2D] (max | min), the layout block_scores multiplies against."""
+    return torch.cat((kmax, kmin), dim=-1)
 
 
-def select_blocks(scores: torch.Tensor, num_blocks: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Logical block indices [P, max(keep)] in ascending order: the top ``keep[p]`` of row p.
+def block_scores(q: torch.Tensor, summaries: torch.Tensor, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores [P, NB] from queries q [P, KVH, G, D] and packed summaries [P, NB, KVH, 2D].
 
-    The sink (block 0) and the current block (num_blocks-1) are always chosen; entries past
-    keep[p] are 0 (the kernel reads only the first ceil(seq_len / block_size) of them). The
-    current block comes last, where the kernel expects the partially filled one.
+    ``bias`` [P, NB] is added as is: w * log S_b, and +inf / -inf for blocks that must / must
+    not be chosen (select_blocks keeps the K highest).
     """
-    rows, width = scores.shape
-    kmax = int(keep.max())
-    span = torch.arange(width, device=scores.device)
-    s = scores.masked_fill(span[None, :] >= num_blocks[:, None], float("-inf"))
-    s[:, 0] = KEEP
-    s[torch.arange(rows, device=scores.device), num_blocks - 1] = KEEP
-    top = s.topk(kmax, dim=1).indices
-    beyond = torch.arange(kmax, device=scores.device)[None, :] >= keep[:, None]
-    top = top.masked_fill(beyond, width).sort(dim=1).values
-    return top.masked_fill(top >= width, 0)
+    q = q.float()
+    signed = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # q+ meets kmax, q- meets kmin
+    upper = (signed @ summaries.permute(0, 2, 3, 1)).flatten(1, 2).amax(dim=1)  # [P, NB]
+    return upper * scale if bias is None else torch.add(bias, upper, alpha=scale)
 
 
-def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
-    """kmin/kmax [num_blocks, KVH, D] <- per-channel min/max over the tokens of whole blocks.
+def selection_bias(num_blocks: torch.Tensor, width: int, log_info: torch.Tensor | None = None) -> torch.Tensor:
+    """The bias for block_scores: +inf for the sink and current block, -inf past num_blocks."""
+    span = torch.arange(width)[None, :]
+    bias = torch.zeros(len(num_blocks), width) if log_info is None else log_info.clone()
+    bias.masked_fill_(span >= num_blocks[:, None], float("-inf"))
+    bias[:, 0] = KEEP
+    bias[torch.arange(len(num_blocks)), num_blocks - 1] = KEEP
+    return bias
+
+
+def select_blocks(scores: torch.Tensor, keep: torch.Tensor, kmax: int | None = None,
+                  beyond: torch.Tensor | None = None) -> torch.Tensor:
+    """Logical block indices [P, kmax] in ascending order: the top ``keep[p]`` of row p first.
+
+    With the selection bias, the sink and current blocks are always among them, and the current
+    block (the highest index chosen) comes last among the first keep[p], where the kernel
+    expects the partially filled block. Entries past keep[p] repeat the last column index;
+    the kernel reads only the first keep[p]. ``beyond`` (the [P, kmax] mask of those entries)
+    and ``kmax`` can be passed precomputed, as the worker does once per step.
+    """
+    width = scores.shape[1]
+    if kmax is None:
+        kmax = int(keep.max())
+    if beyond is None:
+        beyond = torch.arange(kmax)[None, :] >= keep[:, None]
+    top = scores.topk(kmax, dim=1).indices.masked_fill_(beyond, width - 1)
+    return top.sort(dim=1).values
+
+
+def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries: torch.Tensor) -> None:
+    """summaries [num_blocks, KVH, 2D] <- per-channel (max | min) over the tokens of whole blocks.
 
     ``key_cache`` is [num_blocks, KVH, block_size, D]. Only full blocks are summarized (the
     current, partially filled block is always kept and never scored), so a summary is
@@ -70,5 +80,4 @@ def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, kmin: tor
     if block_ids.numel() == 0:
         return
     keys = key_cache.index_select(0, block_ids).float()
-    kmin.index_copy_(0, block_ids, keys.amin(dim=2))
-    kmax.index_copy_(0, block_ids, keys.amax(dim=2))
+    summaries.index_copy_(0, block_ids, pack_summaries(keys.amin(dim=2), keys.amax(dim=2)))

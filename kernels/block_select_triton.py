@@ -3,9 +3,10 @@
 ``summarize_blocks``: per-channel key min/max of whole blocks, read straight from the paged
 cache (one program per (block, kv head)); run for blocks that filled up since they were
 last summarized.
-``block_scores``: one program per (sequence, logical block) gathers the block's summaries
-through the block table and returns the same score as the torch path (Quest bound max over
-query heads, times scale, plus w * log S_b). Top-K selection reuses torch.topk.
+``block_scores``: one program per (sequence, logical block) gathers the block's packed
+(max | min) summaries through the block table and returns the same score as the torch path
+(Quest bound max over query heads, times scale, plus the bias). Top-K selection is
+kernels.block_select.select_blocks (torch.topk).
 
 Static shapes: heads and channels are padded to powers of two. Tests run them under
 TRITON_INTERPRET=1 against the torch reference (no GPU on the development machine).
@@ -22,7 +23,7 @@ __all__ = ["block_scores", "summarize_blocks", "select_blocks"]
 
 
 @triton.jit
-def _summarize_kernel(keys_ptr, ids_ptr, kmin_ptr, kmax_ptr, n_kv, block_size, d,
+def _summarize_kernel(keys_ptr, ids_ptr, out_ptr, n_kv, block_size, d,
                       s_blk, s_head, s_tok, s_ch, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
     g = tl.program_id(1)
@@ -34,27 +35,26 @@ def _summarize_kernel(keys_ptr, ids_ptr, kmin_ptr, kmax_ptr, n_kv, block_size, d
     k = tl.load(base + offs_t[:, None] * s_tok + offs_d[None, :] * s_ch, mask=mask, other=0.0).to(tl.float32)
     lo = tl.min(tl.where(mask, k, float("inf")), axis=0)
     hi = tl.max(tl.where(mask, k, float("-inf")), axis=0)
-    out = (blk * n_kv + g) * d + offs_d
-    tl.store(kmin_ptr + out, lo, mask=offs_d < d)
-    tl.store(kmax_ptr + out, hi, mask=offs_d < d)
+    out = (blk * n_kv + g) * 2 * d + offs_d  # packed (max | min)
+    tl.store(out_ptr + out, hi, mask=offs_d < d)
+    tl.store(out_ptr + out + d, lo, mask=offs_d < d)
 
 
-def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
-    """kmin/kmax [num_blocks, KVH, D] <- min/max over tokens of key_cache [num_blocks, KVH, T, D] (any strides)."""
+def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries: torch.Tensor) -> None:
+    """summaries [num_blocks, KVH, 2D] <- (max | min) over tokens of key_cache [num_blocks, KVH, T, D] (any strides)."""
     if block_ids.numel() == 0:
         return
     _, n_kv, block_size, d = key_cache.shape
     _summarize_kernel[(block_ids.numel(), n_kv)](
-        key_cache, block_ids.to(torch.int64).contiguous(), kmin, kmax, n_kv, block_size, d,
+        key_cache, block_ids.to(torch.int64).contiguous(), summaries, n_kv, block_size, d,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         BLOCK_T=triton.next_power_of_2(block_size), BLOCK_D=triton.next_power_of_2(d),
     )
 
 
 @triton.jit
-def _score_kernel(q_ptr, table_ptr, nblocks_ptr, kmin_ptr, kmax_ptr, info_ptr, out_ptr,
-                  n_heads, group, d, width, scale, info_weight,
-                  HAS_INFO: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _score_kernel(q_ptr, table_ptr, nblocks_ptr, sum_ptr, bias_ptr, out_ptr, n_heads, group, d, width, scale,
+                  HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     p = tl.program_id(0)
     j = tl.program_id(1)
     n = tl.load(nblocks_ptr + p)
@@ -68,33 +68,32 @@ def _score_kernel(q_ptr, table_ptr, nblocks_ptr, kmin_ptr, kmax_ptr, info_ptr, o
     q = tl.load(q_ptr + (p * n_heads + offs_h[:, None]) * d + offs_d[None, :], mask=mask, other=0.0)
     n_kv = n_heads // group
     kv = offs_h // group
-    summary = (blk * n_kv + kv[:, None]) * d + offs_d[None, :]
-    lo = tl.load(kmin_ptr + summary, mask=mask, other=0.0)
-    hi = tl.load(kmax_ptr + summary, mask=mask, other=0.0)
+    summary = (blk * n_kv + kv[:, None]) * 2 * d + offs_d[None, :]
+    hi = tl.load(sum_ptr + summary, mask=mask, other=0.0)
+    lo = tl.load(sum_ptr + summary + d, mask=mask, other=0.0)
     upper = tl.sum(tl.maximum(q * hi, q * lo), axis=1)
     upper = tl.where(offs_h < n_heads, upper, float("-inf"))
     score = tl.max(upper, axis=0) * scale
-    if HAS_INFO:
-        score += info_weight * tl.load(info_ptr + p * width + j)
+    if HAS_BIAS:
+        score += tl.load(bias_ptr + p * width + j)
     tl.store(out_ptr + p * width + j, score)
 
 
-def block_scores(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor, kmin: torch.Tensor,
-                 kmax: torch.Tensor, scale: float, log_info: torch.Tensor | None = None,
-                 info_weight: float = 1.0) -> torch.Tensor:
-    """Scores [P, W] for queries q [P, H, D], physical ids block_table [P, W], summaries [blocks, KVH, D].
+def block_scores(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor, summaries: torch.Tensor,
+                 scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores [P, W] for queries q [P, H, D], physical ids block_table [P, W], packed summaries [blocks, KVH, 2D].
 
-    Columns at or past num_blocks[p] are -inf.
+    Same value as kernels.block_select.block_scores on the gathered summaries; columns at or
+    past num_blocks[p] are -inf.
     """
     rows, n_heads, d = q.shape
     width = block_table.shape[1]
-    group = n_heads // kmin.shape[1]
+    group = n_heads // summaries.shape[1]
     out = torch.empty(rows, width, device=q.device, dtype=torch.float32)
-    has_info = log_info is not None and info_weight != 0.0
-    info = log_info.float().contiguous() if has_info else out
+    has_bias = bias is not None
     _score_kernel[(rows, width)](
-        q.float().contiguous(), block_table.contiguous(), num_blocks.contiguous(), kmin, kmax, info, out,
-        n_heads, group, d, width, float(scale), float(info_weight),
-        HAS_INFO=has_info, BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(d),
+        q.float().contiguous(), block_table.contiguous(), num_blocks.contiguous(), summaries,
+        bias.float().contiguous() if has_bias else out, out, n_heads, group, d, width, float(scale),
+        HAS_BIAS=has_bias, BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(d),
     )
     return out

