@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test model bench bench-scheduling bench-pruning ablation prometheus dashboards
+.PHONY: install serve test model bench bench-scheduling bench-pruning ablation ablation-estimators prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -52,3 +52,6 @@ bench-pruning: model
 
 ablation: model
 	$(PY) -m loadtest.ablation $(ARGS)
+
+ablation-estimators: model
+	$(PY) -m loadtest.ablation_estimators $(ARGS)

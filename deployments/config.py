@@ -80,6 +80,16 @@ class SchedulingConfig(BaseModel):
         "preemption (vLLM still preempts the lowest π under KV pressure). Measured with 2: TTFT 0.27x but p99 "
         "latency 2.3x FCFS (docs/benchmarks/scheduling-preempt-margin-2.md)")
     controller_timeout_s: float = Field(0.25, gt=0, description="older controller answers fall back to local π")
+    grant_slots: int | None = Field(
+        None, ge=1, description="decode-step grants: how many sequences per replica get their lease renewed each "
+        "control period (highest π first); the others pause, keeping their KV, when their lease runs out. "
+        "None: everyone is granted (no pausing)")
+    grant_lease_steps: int = Field(8, ge=1, description="decode steps per granted lease")
+
+    def grant_policy(self):
+        from controller.laws.grants import GrantPolicy
+
+        return GrantPolicy(slots=self.grant_slots, lease_steps=self.grant_lease_steps)
 
     def weights(self):
         from controller.laws.priority import PriorityWeights

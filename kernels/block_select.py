@@ -29,15 +29,22 @@ def pack_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     return torch.cat((kmax, kmin), dim=-1)
 
 
-def block_scores(q: torch.Tensor, summaries: torch.Tensor, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores [P, NB] from queries q [P, KVH, G, D] and packed summaries [P, NB, KVH, 2D].
+def block_scores(q: torch.Tensor, summaries: torch.Tensor, physical: torch.Tensor, scale: float,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores [P, W] for queries q [P, KVH, G, D] over the blocks ``physical`` [P, W] (physical ids).
 
-    ``bias`` [P, NB] is added as is: w * log S_b, and +inf / -inf for blocks that must / must
-    not be chosen (select_blocks keeps the K highest).
+    ``summaries`` is [KVH, num_blocks, 2D]: per KV head and block, the per-channel (max | min) of
+    the keys. ``bias`` [P, W] is added as is: w * log S_b, and +inf / -inf for blocks that must /
+    must not be chosen (select_blocks keeps the K highest).
     """
-    q = q.float()
-    signed = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # q+ meets kmax, q- meets kmin
-    upper = (signed @ summaries.permute(0, 2, 3, 1)).flatten(1, 2).amax(dim=1)  # [P, NB]
+    rows, kv_heads, group, d = q.shape
+    width = physical.shape[1]
+    q = q.float().permute(1, 0, 2, 3)
+    signed = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1).reshape(kv_heads * rows, group, 2 * d)
+    gathered = summaries.index_select(1, physical.reshape(-1)).view(kv_heads * rows, width, 2 * d)
+    # [q+ | q-] against [kmax | kmin]: the small head dimension on the left keeps the batched
+    # matmul fast on CPU BLAS (3-4x faster than the transposed product here)
+    upper = torch.bmm(signed, gathered.transpose(1, 2)).view(kv_heads, rows, group, width).amax(dim=2).amax(dim=0)
     return upper * scale if bias is None else torch.add(bias, upper, alpha=scale)
 
 
@@ -71,7 +78,7 @@ def select_blocks(scores: torch.Tensor, keep: torch.Tensor, kmax: int | None = N
 
 
 def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries: torch.Tensor) -> None:
-    """summaries [num_blocks, KVH, 2D] <- per-channel (max | min) over the tokens of whole blocks.
+    """summaries [KVH, num_blocks, 2D] <- per-channel (max | min) over the tokens of whole blocks.
 
     ``key_cache`` is [num_blocks, KVH, block_size, D]. Only full blocks are summarized (the
     current, partially filled block is always kept and never scored), so a summary is
@@ -80,4 +87,4 @@ def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries
     if block_ids.numel() == 0:
         return
     keys = key_cache.index_select(0, block_ids).float()
-    summaries.index_copy_(0, block_ids, pack_summaries(keys.amin(dim=2), keys.amax(dim=2)))
+    summaries.index_copy_(1, block_ids, pack_summaries(keys.amin(dim=2), keys.amax(dim=2)).transpose(0, 1))

@@ -23,7 +23,7 @@ __all__ = ["block_scores", "summarize_blocks", "select_blocks"]
 
 
 @triton.jit
-def _summarize_kernel(keys_ptr, ids_ptr, out_ptr, n_kv, block_size, d,
+def _summarize_kernel(keys_ptr, ids_ptr, out_ptr, n_blocks, block_size, d,
                       s_blk, s_head, s_tok, s_ch, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
     g = tl.program_id(1)
@@ -35,25 +35,25 @@ def _summarize_kernel(keys_ptr, ids_ptr, out_ptr, n_kv, block_size, d,
     k = tl.load(base + offs_t[:, None] * s_tok + offs_d[None, :] * s_ch, mask=mask, other=0.0).to(tl.float32)
     lo = tl.min(tl.where(mask, k, float("inf")), axis=0)
     hi = tl.max(tl.where(mask, k, float("-inf")), axis=0)
-    out = (blk * n_kv + g) * 2 * d + offs_d  # packed (max | min)
+    out = (g * n_blocks + blk) * 2 * d + offs_d  # [KVH, blocks, (max | min)]
     tl.store(out_ptr + out, hi, mask=offs_d < d)
     tl.store(out_ptr + out + d, lo, mask=offs_d < d)
 
 
 def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries: torch.Tensor) -> None:
-    """summaries [num_blocks, KVH, 2D] <- (max | min) over tokens of key_cache [num_blocks, KVH, T, D] (any strides)."""
+    """summaries [KVH, num_blocks, 2D] <- (max | min) over tokens of key_cache [num_blocks, KVH, T, D] (any strides)."""
     if block_ids.numel() == 0:
         return
     _, n_kv, block_size, d = key_cache.shape
     _summarize_kernel[(block_ids.numel(), n_kv)](
-        key_cache, block_ids.to(torch.int64).contiguous(), summaries, n_kv, block_size, d,
+        key_cache, block_ids.to(torch.int64).contiguous(), summaries, summaries.shape[1], block_size, d,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         BLOCK_T=triton.next_power_of_2(block_size), BLOCK_D=triton.next_power_of_2(d),
     )
 
 
 @triton.jit
-def _score_kernel(q_ptr, table_ptr, nblocks_ptr, sum_ptr, bias_ptr, out_ptr, n_heads, group, d, width, scale,
+def _score_kernel(q_ptr, table_ptr, nblocks_ptr, sum_ptr, bias_ptr, out_ptr, n_heads, group, d, width, n_blocks, scale,
                   HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     p = tl.program_id(0)
     j = tl.program_id(1)
@@ -66,9 +66,8 @@ def _score_kernel(q_ptr, table_ptr, nblocks_ptr, sum_ptr, bias_ptr, out_ptr, n_h
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < d)
     q = tl.load(q_ptr + (p * n_heads + offs_h[:, None]) * d + offs_d[None, :], mask=mask, other=0.0)
-    n_kv = n_heads // group
     kv = offs_h // group
-    summary = (blk * n_kv + kv[:, None]) * 2 * d + offs_d[None, :]
+    summary = (kv[:, None] * n_blocks + blk) * 2 * d + offs_d[None, :]
     hi = tl.load(sum_ptr + summary, mask=mask, other=0.0)
     lo = tl.load(sum_ptr + summary + d, mask=mask, other=0.0)
     upper = tl.sum(tl.maximum(q * hi, q * lo), axis=1)
@@ -81,19 +80,19 @@ def _score_kernel(q_ptr, table_ptr, nblocks_ptr, sum_ptr, bias_ptr, out_ptr, n_h
 
 def block_scores(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor, summaries: torch.Tensor,
                  scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores [P, W] for queries q [P, H, D], physical ids block_table [P, W], packed summaries [blocks, KVH, 2D].
+    """Scores [P, W] for queries q [P, H, D], physical ids block_table [P, W], summaries [KVH, blocks, 2D].
 
     Same value as kernels.block_select.block_scores on the gathered summaries; columns at or
     past num_blocks[p] are -inf.
     """
     rows, n_heads, d = q.shape
     width = block_table.shape[1]
-    group = n_heads // summaries.shape[1]
+    group = n_heads // summaries.shape[0]
     out = torch.empty(rows, width, device=q.device, dtype=torch.float32)
     has_bias = bias is not None
     _score_kernel[(rows, width)](
         q.float().contiguous(), block_table.contiguous(), num_blocks.contiguous(), summaries,
-        bias.float().contiguous() if has_bias else out, out, n_heads, group, d, width, float(scale),
+        bias.float().contiguous() if has_bias else out, out, n_heads, group, d, width, summaries.shape[1], float(scale),
         HAS_BIAS=has_bias, BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(d),
     )
     return out

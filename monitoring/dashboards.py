@@ -91,6 +91,12 @@ SERVING = [
             "{{source}}": f"sum by (source) (rate(entropic_priority_count[{RATE}]))"}),
         Panel("Priority preemptions per second", {
             "{{replica}}": f"sum by (replica) (rate(entropic_priority_preemptions_total[{RATE}]))"}),
+        Panel("Decode-step grants", {
+            "renewed/s {{replica}}": f"sum by (replica) (rate(entropic_grants_renewed_total[{RATE}]))",
+            "withheld sequence-steps/s {{replica}}":
+                f"sum by (replica) (rate(entropic_grant_withheld_steps_total[{RATE}]))"},
+              description="Leases renewed by the control loop; running sequences paused for lack of a lease "
+                          "(only with scheduling.grant_slots set)"),
     ]),
     Row("Controller", [
         Panel("Telemetry lag (replica to controller)", quantiles("entropic_telemetry_lag_seconds"), "s"),

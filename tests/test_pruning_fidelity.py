@@ -13,9 +13,9 @@ import uuid
 
 import pytest
 
+from loadtest.workload import passkey_prompt
 from workers.control_params import PruningControl, SamplingControl
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 # ~2K, ~4K and ~7K tokens of filler; passkey at three depths each
 PASSKEY_CASES = [(reps, depth) for reps in (85, 170, 295) for depth in (0.2, 0.5, 0.8)]
 AGGRESSIVE = PruningControl(keep_min=0.25, entropy_high=20.0, max_step=1.0)  # ~1/4 of the blocks from step 1
@@ -69,17 +69,10 @@ def _generate(llm, prompts, pruning, max_tokens, fidelity=None):
     return outs, list(keys), ratio
 
 
-def _passkey_prompt(reps: int, depth: float, key: int) -> str:
-    parts = [FILLER] * reps
-    parts.insert(int(reps * depth), f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    return ("There is a pass key hidden in this text. Find it and remember it.\n" + "".join(parts)
-            + "What is the pass key? The pass key is")
-
-
 @pytest.fixture(scope="module")
 def passkeys(llm):
     keys = [10007 + 7919 * i for i in range(len(PASSKEY_CASES))]
-    prompts = [_passkey_prompt(reps, depth, key) for (reps, depth), key in zip(PASSKEY_CASES, keys)]
+    prompts = [passkey_prompt(reps, depth, key) for (reps, depth), key in zip(PASSKEY_CASES, keys)]
     _generate(llm, prompts, None, 1)  # warm the prefix cache: dense and pruned runs read the same blocks
     return prompts, keys
 

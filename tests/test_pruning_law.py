@@ -68,21 +68,25 @@ def _brute_scores(q, kmin, kmax, scale, log_info):
 def test_matmul_form_equals_the_per_channel_bound():
     torch.manual_seed(0)
     q = torch.randn(3, 2, 4, 16)
-    a, b = torch.randn(3, 10, 2, 16), torch.randn(3, 10, 2, 16)
-    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    a, b = torch.randn(2, 30, 16), torch.randn(2, 30, 16)  # kv heads, physical blocks, channels
+    summaries = pack_summaries(torch.minimum(a, b), torch.maximum(a, b))
+    physical = torch.randint(0, 30, (3, 10))  # each row's logical blocks
     info = torch.randn(3, 10)
-    got = block_scores(q, pack_summaries(kmin, kmax), 0.125, info)
+    got = block_scores(q, summaries, physical, 0.125, info)
+    kmin = torch.minimum(a, b)[:, physical].permute(1, 2, 0, 3)  # [P, W, KVH, D]
+    kmax = torch.maximum(a, b)[:, physical].permute(1, 2, 0, 3)
     assert torch.allclose(got, _brute_scores(q, kmin, kmax, 0.125, info), atol=1e-5)
 
 
 def test_bound_is_an_upper_bound_of_every_token_logit():
     torch.manual_seed(1)
     keys = torch.randn(8, 2, 32, 16)  # blocks, kv heads, tokens, channels
-    summaries = torch.empty(8, 2, 32)
+    summaries = torch.empty(2, 8, 32)  # kv heads, blocks, (max | min)
     summarize_blocks(keys, torch.arange(8), summaries)
-    assert torch.equal(summaries[..., 16:], keys.amin(2)) and torch.equal(summaries[..., :16], keys.amax(2))
+    assert torch.equal(summaries[..., 16:], keys.amin(2).transpose(0, 1))
+    assert torch.equal(summaries[..., :16], keys.amax(2).transpose(0, 1))
     q = torch.randn(1, 2, 3, 16)
-    scores = block_scores(q, summaries[None], 1.0)
+    scores = block_scores(q, summaries, torch.arange(8)[None], 1.0)
     logits = torch.einsum("kgd,bktd->bkgt", q[0], keys)  # every q.k
     assert bool((logits.flatten(1).amax(1) <= scores[0] + 1e-4).all())
 
@@ -109,7 +113,7 @@ def test_triton_kernels_match_torch_under_interpreter(tmp_path):
         cache = torch.randn(12, 3, 64, 2 * 32)  # blocks, kv heads, block_size, 2 * head_dim (CPU layout)
         keys = cache.view(12, 3, 2 * 64 * 32)[:, :, :64 * 32].view(12, 3, 32, 64).transpose(2, 3)
         ids = torch.tensor([2, 5, 7, 11])
-        want, got = torch.zeros(12, 3, 64), torch.zeros(12, 3, 64)
+        want, got = torch.zeros(3, 12, 64), torch.zeros(3, 12, 64)
         block_select.summarize_blocks(keys, ids, want)
         block_select_triton.summarize_blocks(keys, ids, got)
         assert torch.allclose(got, want)
@@ -118,7 +122,7 @@ def test_triton_kernels_match_torch_under_interpreter(tmp_path):
         q = torch.randn(2, 9, 32)
         info = torch.randn(2, 6)
         t = block_select_triton.block_scores(q, table, nblocks, want, 0.2, info)
-        r = block_select.block_scores(q.view(2, 3, 3, 32), want[table], 0.2, info)
+        r = block_select.block_scores(q.view(2, 3, 3, 32), want, table, 0.2, info)
         r = r.masked_fill(torch.arange(6)[None] >= nblocks[:, None], float("-inf"))
         assert torch.allclose(t, r, atol=1e-4), (t, r)
         print("triton-ok")
@@ -126,3 +130,16 @@ def test_triton_kernels_match_torch_under_interpreter(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "triton-ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_workload_quality_measures():
+    from loadtest.workload import distinct_n, mixed_jobs, repetition_rate
+
+    assert distinct_n([1, 2, 3, 4], 2) == 1.0
+    assert distinct_n([1, 1, 1, 1], 2) == pytest.approx(1 / 3)
+    assert repetition_rate([1, 2, 3, 4, 1, 2, 3, 4], 4) == pytest.approx(1 / 5)
+    assert repetition_rate([1, 2, 3], 4) == 0.0
+    jobs = mixed_jobs()
+    assert {j.kind for j in jobs} == {"checkable", "passkey", "free_form"}
+    assert all(j.answer in j.prompt for j in jobs if j.kind == "passkey")
+    assert len({j.seed for j in jobs}) == len(jobs)

@@ -78,3 +78,43 @@ def test_a_clearly_higher_pi_preempts_the_lowest_running(engine):
     assert sorted(finished) == ["pre-0", "pre-1", "pre-2"]
     assert all(n == MAX_TOKENS for n in finished.values())  # the preempted request resumed and completed
     scheduler.preempt_margin = None
+
+
+def test_decode_steps_follow_grants_and_paused_requests_resume_in_place(engine):
+    from controller.laws.grants import GrantPolicy
+    from workers.tracking import GrantBoard
+
+    engine, scheduler = engine
+    grants = GrantBoard(GrantPolicy(slots=1, lease_steps=3))
+    scheduler.grants = grants
+    produced: dict[str, int] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)  # cumulative outputs
+
+    try:
+        keys = ["grant-hi", "grant-lo"]
+        _add(engine, keys)
+        step()  # admission and prefill (grants only pause running requests): one token each
+        assert produced == {"grant-hi": 1, "grant-lo": 1}
+        pis = {"grant-hi": 2.0, "grant-lo": 1.0}
+        scheduler.board.publish(pis)
+        grants.renew(pis)
+        withheld = scheduler.withheld_steps
+        for _ in range(3):  # grant-hi's 3-step lease; grant-lo has none and pauses, still holding its KV
+            step()
+            assert _running(scheduler) == set(keys)
+        assert produced == {"grant-hi": 4, "grant-lo": 1}
+        assert scheduler.withheld_steps == withheld + 3
+        step()  # no lease left anywhere: everyone runs rather than stall
+        assert produced == {"grant-hi": 5, "grant-lo": 2}
+        pis = {"grant-hi": 1.0, "grant-lo": 2.0}  # the ranking flips: only grant-lo advances
+        scheduler.board.publish(pis)
+        grants.renew(pis)
+        step()
+        assert produced == {"grant-hi": 5, "grant-lo": 3}
+        finished = _drain(engine)
+        assert finished == {"grant-hi": MAX_TOKENS, "grant-lo": MAX_TOKENS}  # the paused request resumed in place
+    finally:
+        scheduler.grants = None

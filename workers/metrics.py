@@ -48,12 +48,24 @@ class ReplicaMetrics:
         self._selection = Counter("entropic_pruning_selection_seconds", "Time spent choosing KV blocks (all layers)",
                                   ["model_name"]).labels(model_name)
         self._pruning_seen = (0.0, 0.0, 0.0)
+        self._grants = Counter("entropic_grants_renewed", "Decode-step leases renewed (sequences moved into the "
+                               "granted set) by the control loop", ["model_name"]).labels(model_name)
+        self._withheld = Counter("entropic_grant_withheld_steps", "Running sequences left out of an engine step "
+                                 "for lack of a decode-step grant", ["model_name"]).labels(model_name)
+        self._grants_seen = (0, 0)
         self._preemptions = Counter("entropic_priority_preemptions", "Running requests preempted for a higher-π waiting one",
                                     ["model_name"]).labels(model_name)
 
     def observe_priorities(self, published) -> None:
         for pi, source in published:
             self._priority_sources[source].observe(pi)
+
+    def observe_grants(self, renewals: int, withheld_steps: int) -> None:
+        if renewals > self._grants_seen[0]:
+            self._grants.inc(renewals - self._grants_seen[0])
+        if withheld_steps > self._grants_seen[1]:
+            self._withheld.inc(withheld_steps - self._grants_seen[1])
+        self._grants_seen = (renewals, withheld_steps)
 
     def observe_preemptions(self, count: int) -> None:
         if count > 0:

@@ -199,7 +199,7 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 class PrunedCPUAttentionBackendImpl(CPUAttentionBackendImpl):
-    _summaries: torch.Tensor | None = None  # [blocks, KV heads, 2 * head_dim]: per-channel (max | min) of keys
+    _summaries: torch.Tensor | None = None  # [KV heads, blocks, 2 * head_dim]: per-channel (max | min) of keys
     _layer_index: int | None = None
 
     def _index(self, layer: Any) -> int:
@@ -228,11 +228,11 @@ class PrunedCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                          plan: PrunePlan) -> torch.Tensor:
         key_cache = key_cache_view(kv_cache)
         blocks, kv_heads = key_cache.shape[:2]
-        if self._summaries is None or self._summaries.shape[0] != blocks:
-            self._summaries = torch.zeros(blocks, kv_heads, 2 * key_cache.shape[-1], dtype=torch.float32)
+        if self._summaries is None or self._summaries.shape[1] != blocks:
+            self._summaries = torch.zeros(kv_heads, blocks, 2 * key_cache.shape[-1], dtype=torch.float32)
         summarize_blocks(key_cache, plan.summarize, self._summaries)
         q = query.index_select(0, plan.tokens).view(len(plan.rows), kv_heads, -1, query.shape[-1])
-        scores = block_scores(q, self._summaries[plan.physical], self.scale, plan.bias)
+        scores = block_scores(q, self._summaries, plan.physical, self.scale, plan.bias)
         chosen = select_blocks(scores, plan.keep, plan.kmax, plan.beyond)
         # Layers run one after another and the kernel reads the table before returning, so
         # every layer reuses the plan's scratch table.

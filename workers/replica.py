@@ -20,7 +20,7 @@ from ray import serve
 from controller.laws.priority import priorities
 from deployments.config import AppConfig
 from workers.errors import InvalidRequest
-from workers.tracking import PriorityBoard, SequenceTrack
+from workers.tracking import GrantBoard, PriorityBoard, SequenceTrack
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,10 @@ class EntropicWorker:
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()
         self.block_size = self.runner.engine.vllm_config.cache_config.block_size
         self.board = PriorityBoard()
+        self.grants = GrantBoard(self.scheduling.grant_policy()) if self.scheduling.grant_slots else None
         if self.scheduling.enabled:
             self.runner.scheduler.board = self.board
+            self.runner.scheduler.grants = self.grants
             self.runner.scheduler.preempt_margin = self.scheduling.preempt_margin
         self._weights = self.scheduling.weights()
         self._priorities: dict[str, tuple[float, str]] = {}
@@ -101,8 +103,10 @@ class EntropicWorker:
             self._active.pop(key, None)
 
     def info(self) -> dict[str, Any]:
+        leases = self.grants.leases() if self.grants is not None else {}
         return {"replica_id": self.replica_id, "max_model_len": self.runner.max_model_len, "steps": self.runner.steps,
-                "priorities": {k: {"pi": pi, "source": src} for k, (pi, src) in self._priorities.items()}}
+                "priorities": {k: {"pi": pi, "source": src, "lease_steps": leases.get(k)}
+                               for k, (pi, src) in self._priorities.items()}}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for deployments.routing.SoonestServedRouter."""
@@ -135,7 +139,8 @@ class EntropicWorker:
         report: dict[str, Any] = {
             "sent_at": time.time(), "sequences": {k: asdict(s) for k, s in states.items()},
             "summaries": {k: t.summary(now) for k, t in active.items()}, "node_id": self.node_id,
-            "routing_stats_polls": self._routing_polls}
+            "routing_stats_polls": self._routing_polls,
+            "leases": self.grants.leases() if self.grants is not None else None}
         report["running"], report["waiting"] = self.runner.scheduler_counts()
         if now >= next_metrics:
             report["metrics"] = snapshot()
@@ -155,7 +160,11 @@ class EntropicWorker:
             chosen = {k: (remote[k], "controller") if k in remote else (pi, "local") for k, pi in local.items()}
             self._priorities = chosen
             self.board.publish({k: pi for k, (pi, _) in chosen.items()})
+            if self.grants is not None:  # leases follow the π in force: the controller's when it answered
+                self.grants.renew({k: pi for k, (pi, _) in chosen.items()})
             self.metrics.observe_priorities(chosen.values())
+            self.metrics.observe_grants(self.grants.renewals if self.grants is not None else 0,
+                                        self.runner.scheduler.withheld_steps)
             preemptions = self.runner.scheduler.priority_preemptions
             self.metrics.observe_preemptions(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions

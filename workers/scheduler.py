@@ -12,6 +12,13 @@ preempted request's π keeps growing until it preempts another; under overload a
 mean TTFT to 0.27x of FCFS but made p99 latency 2.3x worse, long generations being preempted
 again and again (docs/benchmarks/scheduling-preempt-margin-2.md).
 
+Decode-step grants (``grants``, a GrantBoard; controller.laws.grants): a running request whose key
+holds no lease is left out of the step, exactly like a running request vLLM's token budget did not
+reach: it keeps its KV blocks and the model runner resumes it in place later (vllm 0.32.0
+``GPUModelRunner._update_states`` drops unscheduled requests from the persistent batch and re-adds
+them). While they are left out, the running-request limits shrink by as many, so admission cannot
+fill their slots. Without a GrantBoard, or when no key holds a lease, nothing is withheld.
+
 vLLM appends a suffix to request ids: the caller's key (``extra_args["entropic"]["key"]``) maps
 to the internal id in ``add_request``.
 """
@@ -24,7 +31,7 @@ from vllm.v1.core.sched.request_queue import PriorityRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from workers.sampling import EXTRA_ARGS_KEY
-from workers.tracking import PriorityBoard
+from workers.tracking import GrantBoard, PriorityBoard
 
 
 class EntropicScheduler(Scheduler):
@@ -33,8 +40,11 @@ class EntropicScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.board: PriorityBoard | None = None
+        self.grants: GrantBoard | None = None
         self.priority_preemptions = 0
+        self.withheld_steps = 0  # (request, step) pairs left out for lack of a grant
         self._internal_ids: dict[str, str] = {}
+        self._keys: dict[str, str] = {}
         self._applied_version = 0
 
     def add_request(self, request) -> None:
@@ -42,11 +52,38 @@ class EntropicScheduler(Scheduler):
         cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
         if cfg is not None:
             self._internal_ids[str(cfg["key"])] = request.request_id
+            self._keys[request.request_id] = str(cfg["key"])
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
         self._apply_priorities()
-        return super().schedule(*args, **kwargs)
+        held = self._withhold_ungranted()
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            if held:
+                self.running.extend(held)
+                self.max_num_running_reqs += len(held)
+                self.max_num_active_reqs += len(held)
+        if self.grants is not None:
+            self.grants.spend([self._keys[r] for r in output.num_scheduled_tokens if r in self._keys])
+        return output
+
+    def _withhold_ungranted(self) -> list:
+        if len(self._keys) > 4 * len(self.requests) + 64:  # finished requests' keys (no board to prune them)
+            self._keys = {r: k for r, k in self._keys.items() if r in self.requests}
+            self._internal_ids = {k: r for r, k in self._keys.items()}
+        if self.grants is None or not self.running:
+            return []
+        keyed = {r.request_id: self._keys.get(r.request_id) for r in self.running}
+        allowed = self.grants.allowed([k for k in keyed.values() if k is not None])
+        held = [r for r in self.running if keyed[r.request_id] is not None and keyed[r.request_id] not in allowed]
+        for request in held:
+            self.running.remove(request)
+        self.max_num_running_reqs -= len(held)
+        self.max_num_active_reqs -= len(held)
+        self.withheld_steps += len(held)
+        return held
 
     def _apply_priorities(self) -> None:
         if self.board is None:
@@ -56,6 +93,7 @@ class EntropicScheduler(Scheduler):
             return
         self._applied_version = version
         self._internal_ids = {k: r for k, r in self._internal_ids.items() if r in self.requests}
+        self._keys = {r: k for k, r in self._internal_ids.items()}
         for key, pi in priorities.items():
             request = self.requests.get(self._internal_ids.get(key, ""))
             if request is not None:

@@ -6,6 +6,7 @@ import threading
 from dataclasses import asdict, dataclass
 
 from controller.laws.entropic_time import positive_drops
+from controller.laws.grants import GrantPolicy, renew, runnable, spend
 from controller.laws.priority import SequenceState, ewma
 
 
@@ -64,3 +65,32 @@ class PriorityBoard:
     def snapshot(self) -> tuple[int, dict[str, float]]:
         with self._lock:
             return self._version, self._priorities
+
+
+class GrantBoard:
+    """Decode-step leases per request key: renewed by the control loop, spent by the engine thread."""
+
+    def __init__(self, policy: GrantPolicy) -> None:
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._leases: dict[str, int] = {}
+        self.renewals = 0
+
+    def renew(self, priorities: dict[str, float]) -> None:
+        with self._lock:
+            before = self._leases
+            self._leases = renew(priorities, before, self.policy)
+            self.renewals += sum(1 for k, v in self._leases.items() if v == self.policy.lease_steps
+                                 and before.get(k) != v)
+
+    def allowed(self, keys: list[str]) -> set[str]:
+        with self._lock:
+            return set(runnable(keys, self._leases))
+
+    def spend(self, keys: list[str]) -> None:
+        with self._lock:
+            spend(self._leases, keys)
+
+    def leases(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._leases)
