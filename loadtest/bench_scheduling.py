@@ -105,7 +105,7 @@ def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> d
             if pi_control:
                 records = pi_control["processor"].records(out.request_id)
                 n = len(tokens[out.request_id])
-                delta = _Delta(entropy=[h for h, _ in records[n - len(new):n]], token_ids=new, completion_tokens=n)
+                delta = TrackDelta(entropy=[h for h, _ in records[n - len(new):n]], token_ids=new, completion_tokens=n)
                 tracks[out.request_id].observe(delta, time.monotonic(), pi_control["drop_ewma"])
             if out.finished:
                 done[out.request_id] = t_out
@@ -126,7 +126,9 @@ def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> d
 
 
 @dataclass
-class _Delta:
+class TrackDelta:
+    """The fields of workers.engine.Delta that SequenceTrack.observe reads (benchmarks drive LLMEngine directly)."""
+
     entropy: list[float]
     token_ids: list[int]
     completion_tokens: int
