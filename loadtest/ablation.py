@@ -255,33 +255,33 @@ def _plots(configs: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, row in configs.items():
+    def figure(suffix: str, title: str, xlabel: str, ylabel: str, draw) -> str:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, row in configs.items():
+            draw(ax, name, row)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        ax.legend()
+        path = out.with_name(f"{out.name}-{suffix}.png")
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return str(path)
+
+    def entropy(ax, name, row):
         free = [hs for k, hs in row["entropy"].items() if k.startswith("free-")]
-        length = min(len(h) for h in free)
-        ax.plot([st.mean(h[i] for h in free) for i in range(length)], label=name)
-    ax.set(xlabel="generated token", ylabel="mean entropy (nats)", title="Entropy trajectories (free-form)")
-    ax.legend()
-    paths.append(out.with_name(out.name + "-entropy.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, row in configs.items():
+        ax.plot([st.mean(h[i] for h in free) for i in range(min(len(h) for h in free))], label=name)
+
+    def latency(ax, name, row):
         lat = sorted(row["e2e_s"].values())
         ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=name, drawstyle="steps-post")
-    ax.set(xlabel="end-to-end latency (s)", ylabel="fraction of requests", title="Latency CDF")
-    ax.legend()
-    paths.append(out.with_name(out.name + "-latency-cdf.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, row in configs.items():
+
+    def throughput(ax, name, row):
         points = sorted((row["prompt_tokens"][k], len(row["tokens"][k]) / row["e2e_s"][k]) for k in row["e2e_s"])
         ax.plot([p for p, _ in points], [r for _, r in points], "o-", label=name)
-    ax.set(xlabel="prompt tokens", ylabel="tokens/s of the request", title="Per-request throughput vs context length")
-    ax.legend()
-    paths.append(out.with_name(out.name + "-throughput-context.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    return [str(p) for p in paths]
+
+    return [figure("entropy", "Entropy trajectories (free-form)", "generated token", "mean entropy (nats)", entropy),
+            figure("latency-cdf", "Latency CDF", "end-to-end latency (s)", "fraction of requests", latency),
+            figure("throughput-context", "Per-request throughput vs context length", "prompt tokens",
+                   "tokens/s of the request", throughput)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from workers.sampling import apply_moves
 
 KEY = "fidelity"
 
@@ -42,12 +44,7 @@ class _RowProcessor(LogitsProcessor):
                 self.rows[index] = (cfg, output_ids)
             else:
                 self.rows.pop(index, None)
-        for src, dst, direction in batch_update.moved:
-            a, b = self.rows.pop(src, None), self.rows.pop(dst, None)
-            if a is not None:
-                self.rows[dst] = a
-            if direction == MoveDirectionality.SWAP and b is not None:
-                self.rows[src] = b
+        apply_moves(self.rows, batch_update)
 
     def wants(self, cfg: dict[str, Any]) -> bool:
         raise NotImplementedError

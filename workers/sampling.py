@@ -155,12 +155,7 @@ class EntropicLogitsProcessor(LogitsProcessor):
                 self._rows.pop(index, None)
             else:
                 self._rows[index] = state
-        for src, dst, direction in batch_update.moved:
-            a, b = self._rows.pop(src, None), self._rows.pop(dst, None)
-            if a is not None:
-                self._rows[dst] = a
-            if direction == MoveDirectionality.SWAP and b is not None:
-                self._rows[src] = b
+        apply_moves(self._rows, batch_update)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self._rows:
@@ -201,6 +196,16 @@ class EntropicLogitsProcessor(LogitsProcessor):
         for state, h in zip(states, values):
             state.record(h)
         return logits
+
+
+def apply_moves(rows: dict[int, Any], batch_update: BatchUpdate) -> None:
+    """Follow vLLM's row moves (condensing, swaps) in a batch-index -> state map."""
+    for src, dst, direction in batch_update.moved:
+        a, b = rows.pop(src, None), rows.pop(dst, None)
+        if a is not None:
+            rows[dst] = a
+        if direction == MoveDirectionality.SWAP and b is not None:
+            rows[src] = b
 
 
 def _group_by_estimator(states: list[_RequestState]) -> dict[tuple[Estimator, int], list[int]]:
