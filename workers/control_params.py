@@ -107,8 +107,3 @@ class PruningControl(BaseModel):
         Below min_context_tokens a request never prunes, so it skips vLLM's logprobs work.
         """
         return self.enabled and self.info_weight > 0 and max_context_tokens >= self.min_context_tokens
-
-    def law(self):
-        from controller.laws.pruning import PruningLaw
-
-        return PruningLaw(**self.model_dump(exclude={"enabled", "info_weight"}))

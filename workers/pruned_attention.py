@@ -137,7 +137,6 @@ class PrunedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if not rows:
             return None, cm
 
-        STATE.stats.pruned_rows += len(rows)
         width = max(nblocks)
         rows_t = torch.tensor(rows)
         keep_t = torch.tensor(keep)

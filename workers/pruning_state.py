@@ -70,8 +70,6 @@ class PruningStats:
     """Cumulative counters (read by the replica's metrics, deltas per scrape)."""
 
     def __init__(self) -> None:
-        self.steps = 0
-        self.pruned_rows = 0
         self.blocks_total = 0
         self.blocks_kept = 0
         self.attention_flops_saved = 0.0
