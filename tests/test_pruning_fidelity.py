@@ -42,11 +42,11 @@ def llm(model_dir):
     STATE.attach_rows({})  # one engine per process: detach before another test module starts its own
 
 
-def _params(pruning: PruningControl | None, max_tokens: int, fidelity: dict | None = None):
+def _params(pruning: PruningControl | None, max_tokens: int, fidelity: dict | None = None, t_cal: float = 1.0):
     from vllm import SamplingParams
 
     key = uuid.uuid4().hex
-    entropic = SamplingControl().engine_args(key, 0.0)
+    entropic = SamplingControl(t_cal=t_cal).engine_args(key, 0.0)
     if pruning is not None and pruning.engine_args() is not None:
         entropic["pruning"] = pruning.engine_args()
     extra = {"entropic": entropic}
@@ -58,10 +58,10 @@ def _params(pruning: PruningControl | None, max_tokens: int, fidelity: dict | No
     return params, key
 
 
-def _generate(llm, prompts, pruning, max_tokens, fidelity=None):
+def _generate(llm, prompts, pruning, max_tokens, fidelity=None, t_cal=1.0):
     from workers.pruning_state import STATE
 
-    params, keys = zip(*[_params(pruning, max_tokens, fidelity) for _ in prompts])
+    params, keys = zip(*[_params(pruning, max_tokens, fidelity, t_cal) for _ in prompts])
     kept_before, total_before = STATE.stats.blocks_kept, STATE.stats.blocks_total
     outs = llm.generate(list(prompts), list(params), use_tqdm=False)
     total = STATE.stats.blocks_total - total_before
@@ -141,16 +141,26 @@ def test_teacher_forced_agreement_and_kl(llm):
     assert math.isfinite(mean_kl)
 
 
-def test_guards_keep_passkey_accuracy_under_overconfidence(llm, passkeys):
+def test_guards_and_calibration_keep_passkey_accuracy_under_overconfidence(llm, passkeys):
     prompts, keys = passkeys[0][3:], passkeys[1][3:]  # ~4K and ~7K
     stress = {"scale": 4.0}  # logits x4: same argmax, much lower entropy (paper §6.2)
     dense, _, _ = _generate(llm, prompts, None, 12, stress)
     naive = PruningControl(keep_min=0.05, min_blocks=2, entropy_low=0.5, entropy_high=3.0, max_step=1.0)
     guarded = naive.merged({"entropy_min": 1.75, "min_blocks": 8})
+    calm, _, calm_ratio = _generate(llm, prompts, naive, 12)  # the same law without the stress
     unguarded, _, naive_ratio = _generate(llm, prompts, naive, 12, stress)
     protected, _, guarded_ratio = _generate(llm, prompts, guarded, 12, stress)
-    dense_ok, naive_ok, guarded_ok = (_accuracy(o, keys) for o in (dense, unguarded, protected))
+    # T_cal = 4 undoes the x4 in the entropy every layer reads (paper §5)
+    calibrated, _, calibrated_ratio = _generate(llm, prompts, naive, 12, stress, t_cal=4.0)
+    dense_ok, naive_ok, guarded_ok, calibrated_ok, calm_ok = (
+        _accuracy(o, keys) for o in (dense, unguarded, protected, calibrated, calm))
     print(f"overconfident x4: dense {sum(dense_ok)}/{len(keys)}, no guards {sum(naive_ok)}/{len(keys)} "
-          f"(kept {naive_ratio:.2f}), guards {sum(guarded_ok)}/{len(keys)} (kept {guarded_ratio:.2f})")
+          f"(kept {naive_ratio:.2f}), guards {sum(guarded_ok)}/{len(keys)} (kept {guarded_ratio:.2f}), "
+          f"T_cal 4 {sum(calibrated_ok)}/{len(keys)} (kept {calibrated_ratio:.2f}; same law unstressed "
+          f"{sum(calm_ok)}/{len(keys)}, kept {calm_ratio:.2f})")
     assert naive_ratio < guarded_ratio < 1.0, "the guards must limit pruning without switching it off"
     assert sum(guarded_ok) == sum(dense_ok)
+    # T_cal undoes the miscalibration, not an aggressive law: it must give back the unstressed run
+    # (measured: the no-guard law loses 2/6 passkeys even unstressed; the guards are what protect)
+    assert calibrated_ratio == pytest.approx(calm_ratio, abs=0.03), "T_cal must restore the unstressed pruning"
+    assert calibrated_ok == calm_ok

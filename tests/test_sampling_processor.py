@@ -48,6 +48,22 @@ def test_control_row_is_scaled_and_temperature_follows_the_law():
     assert torch.allclose(result, z / t_expected)
 
 
+def test_by_default_the_law_cools_uncertain_rows_and_never_heats_confident_ones():
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    ids = {"hot": [], "cold": []}
+    lp.update_state(update(added=[(0, params("hot", 0.7, target_entropy=2.0), None, ids["hot"]),
+                                  (1, params("cold", 0.7, target_entropy=2.0), None, ids["cold"])]))
+    for _ in range(5):
+        logits = flat_logits(2)  # row 0: uniform, log(64) = 4.2 nats > H*
+        logits[1, 0] = 50.0      # row 1: confident, ~0 nats < H*
+        lp.apply(logits)
+        for v in ids.values():
+            v.append(0)
+    hot, cold = [t for _, t in lp.records("hot")], [t for _, t in lp.records("cold")]
+    assert hot[0] == cold[0] == 0.7
+    assert hot[-1] < 0.7 and cold == [0.7] * 5
+
+
 def test_rerun_at_the_same_position_overwrites_instead_of_appending():
     lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
     out_ids: list[int] = []
@@ -66,10 +82,25 @@ def test_greedy_rows_are_untouched_but_measured():
     assert t == 0.0 and h == pytest.approx(float(exact_entropy(z)[0]), abs=1e-5)
 
 
+def test_calibration_temperature_enters_every_entropy_reading_but_leaves_greedy_output():
+    """Paper §5: entropy is taken of softmax(z / T_cal) for observed rows too, so pruning and
+    scheduling see the calibrated entropy; a greedy row's logits stay untouched."""
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    sampled = SamplingParams(temperature=0.5, extra_args={
+        EXTRA_ARGS_KEY: SamplingControl(enabled=False, t_cal=4.0).engine_args("s", 0.5)})
+    lp.update_state(update(added=[(0, params("g", 0.0, t_cal=4.0), None, []), (1, sampled, None, [])]))
+    z = torch.randn(2, VOCAB) * 3
+    assert torch.equal(lp.apply(z.clone()), z)
+    (h_greedy, _), = lp.records("g")
+    (h_sampled, _), = lp.records("s")
+    assert h_greedy == pytest.approx(float(exact_entropy(z[:1] / 4.0)[0]), abs=1e-5)
+    assert h_sampled == pytest.approx(float(exact_entropy(z[1:] / (4.0 * 0.5))[0]), abs=1e-5)
+
+
 def test_state_follows_the_request_through_moves_swaps_and_preemption():
     lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
     a_ids, b_ids = [], []
-    pa, pb = params("a", target_entropy=1.0, eta=0.5), params("b", target_entropy=5.0, eta=0.5)
+    pa, pb = params("a", target_entropy=1.0, eta=0.5), params("b", target_entropy=5.0, eta=0.5, t_max=2.0)
     lp.update_state(update(added=[(0, pa, None, a_ids), (1, pb, None, b_ids)]))
     lp.apply(flat_logits(2))
     a_ids.append(1), b_ids.append(1)

@@ -23,16 +23,20 @@ class SamplingControl(BaseModel):
     target_entropy: float = Field(2.0, ge=0.0, le=20.0, description="H* in nats")
     eta: float = Field(0.3, ge=0.0, le=10.0, description="gain of the temperature law")
     t_min: float = Field(0.1, gt=0.0, le=10.0)
-    t_max: float = Field(2.0, gt=0.0, le=10.0)
+    t_max: float | None = Field(
+        None, gt=0.0, le=10.0, description="upper temperature bound; None: the request's own temperature, so the "
+        "law only cools uncertain positions and never heats confident ones (measured: heating towards H* = 2 "
+        "wrecked factual answers, docs/results/README.md)")
     max_log_step: float = Field(0.5, gt=0.0, le=10.0, description="bound on |log T_{t+1} - log T_t|")
     estimator: EstimatorName = "exact"
     topk: int = Field(64, ge=1, le=4096, description="k of the top-k and tail-corrected estimators")
     ema_alpha: float = Field(1.0, gt=0.0, le=1.0, description="EMA weight of the entropy fed to the law; 1 = none")
-    t_cal: float = Field(1.0, gt=0.0, le=10.0, description="calibration temperature of §5 applied before sampling")
+    t_cal: float = Field(1.0, gt=0.0, le=10.0, description="calibration temperature of §5: every entropy reading is of softmax(z / T_cal), "
+                       "and control rows sample from it")
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "SamplingControl":
-        if self.t_min > self.t_max:
+        if self.t_max is not None and self.t_min > self.t_max:
             raise ValueError(f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
         return self
 
@@ -43,8 +47,11 @@ class SamplingControl(BaseModel):
         return SamplingControl.model_validate({**self.model_dump(), **overrides})
 
     def initial_temperature(self, requested: float | None) -> float:
-        t0 = 1.0 if requested is None else requested
-        return min(max(t0, self.t_min), self.t_max)
+        t0 = max(1.0 if requested is None else requested, self.t_min)
+        return t0 if self.t_max is None else min(t0, self.t_max)
+
+    def upper_temperature(self, requested: float | None) -> float:
+        return self.initial_temperature(requested) if self.t_max is None else self.t_max
 
     def engine_args(self, key: str, requested_temperature: float | None) -> dict[str, Any]:
         """The plain dict the logits processor reads from SamplingParams.extra_args."""
@@ -55,7 +62,7 @@ class SamplingControl(BaseModel):
             "target_entropy": self.target_entropy,
             "eta": self.eta,
             "t_min": self.t_min,
-            "t_max": self.t_max,
+            "t_max": self.upper_temperature(requested_temperature),
             "max_log_step": self.max_log_step if math.isfinite(self.max_log_step) else 1e9,
             "estimator": self.estimator,
             "topk": self.topk,

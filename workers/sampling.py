@@ -8,9 +8,15 @@ never by batch index: vLLM removes and re-adds rows on preemption and rescheduli
   ``controller.laws.temperature`` gives T_{t+1}. vLLM's own temperature for these requests
   is 1.0 (set by the engine runner), so T_t is the whole sampling temperature.
 * observed rows (greedy requests, or control disabled): logits are left as they are; the
-  entropy of the distribution the request samples from (softmax(z / T_request)) is still
-  recorded, since the other control layers consume it. Greedy rows record the entropy of
-  softmax(z) (the model's predictive entropy) with temperature 0.
+  entropy of the calibrated distribution the request samples from (softmax(z / (T_cal *
+  T_request))) is still recorded, since the other control layers consume it. Greedy rows
+  record the entropy of softmax(z / T_cal) (the model's calibrated predictive entropy)
+  with temperature 0.
+
+T_cal is the post-hoc calibration of paper §5 (p_cal ∝ exp(z / T_cal), fitted on held-out
+text by ``controller.laws.calibration``): it enters the entropy every layer reads, so an
+overconfident model (T_cal > 1) cannot drive pruning or scheduling with artificially low
+entropy. It changes what a row samples only for control rows, which sample from p_cal.
 
 The processor declares itself not argmax-invariant so vLLM calls it for greedy rows too
 (argmax-invariant processors are skipped on greedy batches); it never changes a greedy
@@ -91,7 +97,8 @@ class _RequestState:
 
     @property
     def divisor(self) -> float:
-        return self.t_cal * self.t_cur if self.control else self.observe_temperature
+        """Logits / divisor: the distribution whose entropy is recorded (and, for control rows, sampled)."""
+        return self.t_cal * (self.t_cur if self.control else self.observe_temperature)
 
     def record(self, entropy: float) -> None:
         self.ema = smoothed_entropy(self.ema_base, entropy, self.ema_alpha)
