@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test model bench bench-scheduling bench-pruning ablation ablation-estimators prometheus dashboards
+.PHONY: install serve test model bench bench-scheduling bench-pruning ablation ablation-estimators calibration-stress prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -55,3 +55,6 @@ ablation: model
 
 ablation-estimators: model
 	$(PY) -m loadtest.ablation_estimators $(ARGS)
+
+calibration-stress: model
+	$(PY) -m loadtest.calibration_stress $(ARGS)

@@ -103,9 +103,10 @@ def _schedule_replay(entropies: list[float], prompt_tokens: list[int], steps: in
 
 def _kendall(a: list[float], b: list[float]) -> float:
     pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
-    score = sum(math.copysign(1, (a[i] - a[j]) * (b[i] - b[j])) if (a[i] - a[j]) * (b[i] - b[j]) else 0
-                for i, j in pairs)
-    return score / len(pairs)
+    def sign(x: float) -> int:
+        return (x > 0) - (x < 0)
+    # a pair agrees when both orders put it the same way, ties included (exact against itself gives 1)
+    return sum(1 if sign(a[i] - a[j]) == sign(b[i] - b[j]) else -1 for i, j in pairs) / len(pairs)
 
 
 def _top_half(pi: list[float]) -> set[int]:

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, nargs="+", default=[170, 295], help="filler repeats (~4K, ~7K tokens)")
     parser.add_argument("--depths", type=float, nargs="+", default=[0.2, 0.5, 0.8])
     parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the default model)")
+    parser.add_argument("--model", default="default", help="\"default\" or a local HF model directory")
     parser.add_argument("--out", default="docs/results/calibration")
     args = parser.parse_args(argv)
 

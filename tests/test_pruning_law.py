@@ -104,6 +104,32 @@ def test_selection_keeps_sink_and_current_block_in_order():
     assert full[0].tolist() == list(range(6))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fused_cpu_selection_matches_the_torch_path(seed):
+    from kernels.cpu_select import load, select_into_table
+
+    assert load() is not None, "the fused selection library must build here (cc is part of the toolchain)"
+    gen = torch.Generator().manual_seed(seed)
+    rows, kv_heads, group, d, pool, width = 5, 3, 3, 64, 300, 57
+    summaries = torch.randn(kv_heads, pool, 2 * d, generator=gen)
+    nblocks = torch.randint(8, width + 1, (rows,), generator=gen)
+    physical = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in range(rows)])
+    keep = torch.minimum(torch.randint(2, 20, (rows,), generator=gen), nblocks)
+    bias = selection_bias(nblocks, width, torch.randn(rows, width, generator=gen))
+    q = torch.randn(rows, kv_heads, group, d, generator=gen)
+    table_rows = torch.tensor([7, 0, 3, 9, 4])
+    table = torch.full((10, 80), -1, dtype=torch.int32)
+    assert select_into_table(q, summaries, physical, bias, keep, 0.125, table, table_rows)
+    want = physical.gather(1, select_blocks(block_scores(q, summaries, physical, 0.125, bias), keep))
+    for p in range(rows):
+        k = int(keep[p])
+        assert table[table_rows[p], :k].tolist() == want[p, :k].tolist()
+        assert table[table_rows[p], 0] == physical[p, 0] and table[table_rows[p], k - 1] == physical[p, nblocks[p] - 1]
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[table_rows] = False
+    assert (table[untouched] == -1).all()
+
+
 def test_triton_kernels_match_torch_under_interpreter(tmp_path):
     # The interpreter must be chosen before triton is imported: run in a fresh process.
     script = textwrap.dedent("""
@@ -130,6 +156,33 @@ def test_triton_kernels_match_torch_under_interpreter(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "triton-ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_triton_pruned_decode_matches_torch_under_interpreter():
+    script = textwrap.dedent("""
+        import torch
+        from kernels.pruned_decode_triton import pruned_decode, reference_decode
+        torch.manual_seed(0)
+        blocks, block_size, kv_heads, d = 24, 16, 3, 64
+        key_cache = torch.randn(blocks, block_size, kv_heads, d)
+        value_cache = torch.randn(blocks, block_size, kv_heads, d)
+        q = torch.randn(3, 9, d)
+        # compacted tables: kept blocks in logical order, current (partial) block last
+        table = torch.tensor([[3, 7, 11, 2, 0], [5, 9, 0, 0, 0], [1, 4, 6, 8, 10]], dtype=torch.int32)
+        seq_lens = torch.tensor([3 * 16 + 5, 16 + 1, 4 * 16 + 16], dtype=torch.int32)
+        got = pruned_decode(q, key_cache, value_cache, table, seq_lens, 0.125)
+        want = reference_decode(q, key_cache, value_cache, table, seq_lens, 0.125)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        # keeping every block is plain dense attention over the sequence
+        full = torch.arange(5, dtype=torch.int32)[None]
+        dense = torch.softmax(torch.einsum("hd,thd->ht", q[0], key_cache[:5].reshape(-1, 3, d)[:70].repeat_interleave(3, 1)) * 0.125, -1)
+        dense_out = torch.einsum("ht,thd->hd", dense, value_cache[:5].reshape(-1, 3, d)[:70].repeat_interleave(3, 1))
+        assert torch.allclose(pruned_decode(q[:1], key_cache, value_cache, full, torch.tensor([70], dtype=torch.int32), 0.125)[0], dense_out, atol=1e-4)
+        print("decode-ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "decode-ok" in result.stdout, result.stderr[-3000:]
 
 
 def test_workload_quality_measures():

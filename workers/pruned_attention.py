@@ -9,8 +9,10 @@ order, current block last) and the matching shorter sequence length.
   law of ``controller.laws.pruning`` sets K (blocks kept) from the request's entropy; the
   compacted sequence lengths give the kernel's scheduler metadata once for all layers.
   Rows that are not plain decode (prefill chunks, short contexts) keep the dense table.
-* Layers (per step): score the row's blocks with this layer's query (kernels.block_select),
-  keep the top K, hand the kernel the compacted table. Only *which* blocks varies by layer.
+* Layers (per step): score the row's blocks with this layer's query, keep the top K, hand the
+  kernel the compacted table: one fused C call (kernels.cpu_select) where it builds, else the
+  torch path (kernels.block_select), which selects the same blocks. Only *which* blocks varies
+  by layer.
 * Key summaries (per-channel min/max per block and KV head) are computed lazily, for full
   blocks only, the first time a pruned row needs them, and dropped when a block's first
   slot is written again (the block pool recycled it). No work is added to cache writes, so
@@ -34,6 +36,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kernels.block_select import block_scores, select_blocks, selection_bias, summarize_blocks
+from kernels.cpu_select import select_into_table
 from workers.pruning_state import STATE
 
 logger = logging.getLogger(__name__)
@@ -231,9 +234,12 @@ class PrunedCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             self._summaries = torch.zeros(kv_heads, blocks, 2 * key_cache.shape[-1], dtype=torch.float32)
         summarize_blocks(key_cache, plan.summarize, self._summaries)
         q = query.index_select(0, plan.tokens).view(len(plan.rows), kv_heads, -1, query.shape[-1])
-        scores = block_scores(q, self._summaries, plan.physical, self.scale, plan.bias)
-        chosen = select_blocks(scores, plan.keep, plan.kmax, plan.beyond)
         # Layers run one after another and the kernel reads the table before returning, so
         # every layer reuses the plan's scratch table.
+        if STATE.fused_selection and select_into_table(q, self._summaries, plan.physical, plan.bias, plan.keep,
+                                                       self.scale, plan.table, plan.rows):
+            return plan.table
+        scores = block_scores(q, self._summaries, plan.physical, self.scale, plan.bias)
+        chosen = select_blocks(scores, plan.keep, plan.kmax, plan.beyond)
         plan.table[plan.rows, : plan.kmax] = plan.physical.gather(1, chosen).to(plan.table.dtype)
         return plan.table

@@ -1,0 +1,112 @@
+/* Fused block scoring + top-K selection for entropic KV pruning on CPU (see kernels/block_select.py).
+ *
+ * One call per attention layer and step does, for every pruned row p:
+ *   score[w] = bias[p,w] + scale * max_{h in KV heads, g in group} sum_c max(q c * kmax c, q c * kmin c)
+ * over its W logical blocks (physical ids physical[p,w]; summaries [KVH, NB, 2D] = (kmax | kmin)),
+ * keeps the keep[p] highest (the +inf bias of the sink and current block puts them in; -inf past
+ * the row's blocks keeps those out), and writes their physical ids, in ascending logical order, into
+ * row rows[p] of vLLM's block table. The torch path needs ~12 tensor ops (and their allocations)
+ * per layer for the same thing; this is one pass over the summaries with no allocation.
+ *
+ * Plain C with no torch headers so it builds in about a second with the system compiler
+ * (kernels/cpu_select.py builds it on first use or at install); single-threaded, because the
+ * engine's OpenMP pool owns the cores and a second runtime would fight it for them. The dot products
+ * use AVX2/FMA when the build machine has them (kernels/cpu_select.py picks the flags), else scalar C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define MAX_W 8192
+#define MAX_GD 4096
+
+/* The k-th largest value (k >= 1) of a[0..n), reordering a (Hoare quickselect). */
+static float kth_largest(float *a, int n, int k) {
+    int lo = 0, hi = n - 1, target = k - 1;
+    while (lo < hi) {
+        float pivot = a[(lo + hi) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) { float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (target <= j) hi = j;
+        else if (target >= i) lo = i;
+        else return a[target];
+    }
+    return a[target];
+}
+
+/* a . b over n floats (n a multiple of 8 on the vector path, which is every head size vLLM serves) */
+static inline float dot(const float *a, const float *b, int n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((n & 15) == 0) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int c = 0; c < n; c += 16) {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), acc1);
+        }
+        __m256 acc = _mm256_add_ps(acc0, acc1);
+        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+        lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+        return _mm_cvtss_f32(lo);
+    }
+#endif
+    float acc = 0.f;
+    for (int c = 0; c < n; c++) acc += a[c] * b[c];
+    return acc;
+}
+
+int entropic_select_blocks(const float *q, const float *summaries, int64_t num_blocks,
+                           const int64_t *physical, const float *bias, const int64_t *keep,
+                           int rows, int kv_heads, int group, int d, int width, float scale,
+                           int32_t *table, int64_t table_stride, const int64_t *table_rows) {
+    if (width > MAX_W || group * 2 * d > MAX_GD) return -1;
+    float scores[MAX_W], work[MAX_W], signed_q[MAX_GD];
+    const int d2 = 2 * d;
+    for (int p = 0; p < rows; p++) {
+        const int64_t *phys = physical + (int64_t)p * width;
+        const float *b = bias + (int64_t)p * width;
+        for (int w = 0; w < width; w++) scores[w] = -INFINITY;
+        for (int h = 0; h < kv_heads; h++) {
+            /* [q+ | q-] per query head of this KV head's group: max(q k_max, q k_min) channel-wise
+             * is q+ k_max + q- k_min, one dot product against the packed (kmax | kmin) summary */
+            const float *qh = q + (((int64_t)p * kv_heads + h) * group) * d;
+            for (int g = 0; g < group; g++)
+                for (int c = 0; c < d; c++) {
+                    float v = qh[g * d + c];
+                    signed_q[g * d2 + c] = v > 0.f ? v : 0.f;
+                    signed_q[g * d2 + d + c] = v < 0.f ? v : 0.f;
+                }
+            const float *sh = summaries + (int64_t)h * num_blocks * d2;
+            for (int w = 0; w < width; w++) {
+                if (isinf(b[w])) continue; /* forced in or out: no need to score */
+                const float *s = sh + phys[w] * d2;
+                for (int g = 0; g < group; g++) {
+                    float acc = dot(signed_q + g * d2, s, d2);
+                    if (acc > scores[w]) scores[w] = acc;
+                }
+            }
+        }
+        for (int w = 0; w < width; w++) scores[w] = isinf(b[w]) ? b[w] : b[w] + scale * scores[w];
+
+        int k = (int)keep[p];
+        if (k > width) k = width;
+        memcpy(work, scores, sizeof(float) * width);
+        float threshold = kth_largest(work, width, k);
+        int above = 0;
+        for (int w = 0; w < width; w++) above += scores[w] > threshold;
+        int ties = k - above; /* blocks at exactly the threshold still to take, lowest index first */
+        int32_t *out = table + table_rows[p] * table_stride;
+        int n = 0;
+        for (int w = 0; w < width && n < k; w++) {
+            if (scores[w] > threshold || (scores[w] == threshold && ties-- > 0)) out[n++] = (int32_t)phys[w];
+        }
+    }
+    return 0;
+}
