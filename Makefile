@@ -22,6 +22,8 @@ $(STAMP):
 	@# Editable install of this package: it publishes the vllm.general_plugins entry point
 	@# (workers.vllm_plugin) that puts the pruned attention backend in every engine process.
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@# The fused CPU block selection (kernels/csrc), built here rather than on the first pruned step.
+	$(PY) -m kernels.cpu_select
 	$(PY) -c "import vllm, ray, transformers, triton; print('installed vllm', vllm.__version__, 'ray', ray.__version__)"
 	rm -f $(VENV)/.installed-* && touch $@
 
