@@ -30,7 +30,10 @@ class EngineConfig(BaseModel):
     cpu_threads: int = Field(1, ge=1, description="OpenMP threads of each replica's engine (CPU only)")
     extra: dict[str, Any] = Field(default_factory=dict, description="more vllm EngineArgs, passed as given")
 
-    def engine_kwargs(self, model_path: str, served_model_name: str, on_gpu: bool = False) -> dict[str, Any]:
+    def engine_kwargs(self, model_path: str, served_model_name: str, on_gpu: bool = False,
+                      pruning: bool = False) -> dict[str, Any]:
+        """vLLM EngineArgs. ``pruning`` on a GPU selects TRITON_ATTN, the backend our pruned path subclasses
+        (workers/pruned_attention_gpu.py); ``extra`` can still name another (which then runs dense)."""
         from workers.hardware import resolve_dtype
 
         kwargs: dict[str, Any] = dict(
@@ -48,6 +51,8 @@ class EngineConfig(BaseModel):
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
+        if on_gpu and pruning:
+            kwargs["attention_backend"] = "TRITON_ATTN"
         kwargs.update(self.extra)
         return kwargs
 

@@ -12,6 +12,10 @@ def test_defaults_serve_the_default_model():
     config = AppConfig()
     assert config.model == "default" and config.model_name == "SmolLM2-135M-Instruct"
     assert config.engine.engine_kwargs("/m", "name")["disable_log_stats"] is False
+    # GPU replicas with pruning use the Triton backend our pruned path subclasses; CPU ones their own
+    assert config.engine.engine_kwargs("/m", "name", on_gpu=True, pruning=True)["attention_backend"] == "TRITON_ATTN"
+    assert "attention_backend" not in config.engine.engine_kwargs("/m", "name", on_gpu=False, pruning=True)
+    assert "attention_backend" not in config.engine.engine_kwargs("/m", "name", on_gpu=True, pruning=False)
 
 
 @pytest.mark.parametrize("raw,field", [

@@ -99,6 +99,33 @@ def test_pruned_attention_adapter_points():
     assert "refresh_metadata" in update
 
 
+def test_triton_attention_adapter_points():
+    """workers/pruned_attention_gpu.py subclasses vLLM's TRITON_ATTN backend (the GPU path)."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.triton_attn import (
+        TritonAttentionBackend,
+        TritonAttentionImpl,
+        TritonAttentionMetadata,
+        TritonAttentionMetadataBuilder,
+    )
+
+    assert AttentionBackendEnum.TRITON_ATTN and AttentionCGSupport.NEVER.value == 0
+    assert TritonAttentionBackend.get_name() == "TRITON_ATTN"
+    assert list(inspect.signature(TritonAttentionMetadataBuilder.build).parameters) == [
+        "self", "common_prefix_len", "common_attn_metadata", "fast_build"]
+    assert list(inspect.signature(TritonAttentionImpl.forward).parameters)[:8] == [
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
+    assert {"block_table", "seq_lens", "max_seq_len"} <= set(TritonAttentionMetadata.__dataclass_fields__)
+    forward = inspect.getsource(TritonAttentionImpl.forward)
+    # the cache layout compacted_table reads, and the fields the kernel takes from the metadata
+    assert "kv_cache.transpose(1, 2)" in forward and "split(hs, dim=-1)" in forward
+    assert "seqused_k = attn_metadata.seq_lens" in forward and "block_table = attn_metadata.block_table" in forward
+    assert "self._is_per_token_head_quant" in forward
+    builder = inspect.getsource(TritonAttentionMetadataBuilder)
+    assert "self.block_size" in builder and "_cudagraph_support" in builder
+
+
 def test_cpu_key_cache_layout_is_what_the_pruner_reads():
     """Write keys with vLLM's own CPU cache op and read them back through key_cache_view."""
     import torch

@@ -5,10 +5,11 @@ entry point (``workers.vllm_plugin``); no vLLM file is edited. The platform's ow
 does the attention: a pruned decode row gets a compacted block table (the kept blocks, in
 order, current block last) and the matching shorter sequence length.
 
-* Builder (once per step): for each plain decode row whose request enables pruning, the
-  law of ``controller.laws.pruning`` sets K (blocks kept) from the request's entropy; the
-  compacted sequence lengths give the kernel's scheduler metadata once for all layers.
-  Rows that are not plain decode (prefill chunks, short contexts) keep the dense table.
+* Builder (once per step, ``workers.pruning_plan.PruningPlanner``, shared with the GPU path):
+  for each plain decode row whose request enables pruning, the law of ``controller.laws.pruning``
+  sets K (blocks kept) from the request's entropy; the compacted sequence lengths give the
+  kernel's scheduler metadata once for all layers. Rows that are not plain decode (prefill
+  chunks, short contexts) keep the dense table.
 * Layers (per step): score the row's blocks with this layer's query, keep the top K, hand the
   kernel the compacted table: one fused C call (kernels.cpu_select) where it builds, else the
   torch path (kernels.block_select), which selects the same blocks. Only *which* blocks varies
@@ -24,7 +25,6 @@ import copy
 import logging
 import re
 import time
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,27 +35,12 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from kernels.block_select import block_scores, select_blocks, selection_bias, summarize_blocks
+from kernels.block_select import block_scores, select_blocks, summarize_blocks
 from kernels.cpu_select import select_into_table
+from workers.pruning_plan import PrunePlan, PruningPlanner
 from workers.pruning_state import STATE
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrunePlan:
-    """Everything about this step's selection that does not depend on the layer (built once)."""
-
-    rows: torch.Tensor  # attention rows pruned this step
-    tokens: torch.Tensor  # their query token index
-    physical: torch.Tensor  # [P, W] physical block ids of their logical blocks
-    bias: torch.Tensor  # [P, W] w * log S_b; +inf sink and current block; -inf past the row's blocks
-    keep: torch.Tensor  # [P] blocks kept
-    kmax: int
-    beyond: torch.Tensor  # [P, kmax] entries past keep[p]
-    summarize: torch.Tensor  # physical blocks whose summaries every layer computes this step
-    table: torch.Tensor  # scratch block table; each layer writes its choice into the pruned rows
-    dense: Any = None  # unpruned metadata, for the dense first layers
 
 
 class PrunedCPUAttentionBackend(CPUAttentionBackend):
@@ -72,7 +57,7 @@ class PrunedCPUAttentionBackend(CPUAttentionBackend):
         return PrunedCPUAttentionMetadataBuilder
 
 
-class PrunedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+class PrunedCPUAttentionMetadataBuilder(PruningPlanner, CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
         plan, common = None, common_attn_metadata
         if self._prunable():
@@ -94,90 +79,6 @@ class PrunedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                 self._warned = True
             return False
         return True
-
-    _summary_valid: torch.Tensor | None = None  # per physical block: its key summaries are current
-
-    def _summary_flags(self) -> torch.Tensor:
-        if self._summary_valid is None:
-            blocks = self.vllm_config.cache_config.num_gpu_blocks or 1
-            self._summary_valid = torch.zeros(blocks, dtype=torch.bool)
-        return self._summary_valid
-
-    def _plan(self, cm: Any) -> tuple[PrunePlan | None, Any]:
-        if not STATE.rows and self._summary_valid is None:
-            return None, cm
-        bs = self.block_size
-        valid = self._summary_flags()
-        slots = cm.slot_mapping[: cm.num_actual_tokens]
-        fresh = slots[(slots >= 0) & (slots % bs == 0)] // bs
-        if fresh.numel():
-            valid[fresh.long()] = False
-        if not STATE.rows:
-            return None, cm
-
-        starts = cm.query_start_loc_cpu.tolist()
-        seq_lens = cm.seq_lens.tolist()
-        batch_rows = cm.req_idx.tolist() if cm.req_idx is not None else range(cm.num_reqs)
-        prefilling = cm.is_prefilling.tolist() if cm.is_prefilling is not None else [False] * cm.num_reqs
-        rows, keep, nblocks, infos = [], [], [], []
-        for row, batch_index in enumerate(batch_rows):
-            request = STATE.rows.get(int(batch_index))
-            args = getattr(request, "pruning", None)
-            if args is None or starts[row + 1] - starts[row] != 1 or prefilling[row]:
-                continue
-            n = -(-seq_lens[row] // bs)
-            track = STATE.request(request.key, args)
-            k = track.decide(request.entropy, n, seq_lens[row])
-            track.kept_log.append((k, n))
-            STATE.stats.blocks_total += n
-            STATE.stats.blocks_kept += k
-            if k < n or STATE.always_select:
-                rows.append(row)
-                keep.append(k)
-                nblocks.append(n)
-                info = track.log_info(n, bs)
-                infos.append(None if info is None else [track.info_weight * x for x in info])
-        if not rows:
-            return None, cm
-
-        width = max(nblocks)
-        rows_t = torch.tensor(rows)
-        keep_t = torch.tensor(keep)
-        nb_t = torch.tensor(nblocks)
-        physical = cm.block_table_tensor[rows_t, :width].long()
-        new_lens = cm.seq_lens.clone()
-        fill = new_lens[rows_t] - (nb_t - 1) * bs
-        new_lens[rows_t] = ((keep_t - 1) * bs + fill).to(new_lens.dtype)
-        skipped = int((cm.seq_lens[rows_t] - new_lens[rows_t]).sum())
-        self._count_savings(skipped)
-
-        log_info = None
-        if any(i is not None for i in infos):
-            log_info = torch.zeros(len(rows), width)
-            for j, info in enumerate(infos):
-                if info is not None:
-                    log_info[j, : len(info)] = torch.tensor(info)
-        span = torch.arange(width)[None, :]
-        interior = (span >= 1) & (span < nb_t[:, None] - 1)
-        candidates = physical[interior].unique()
-        summarize = candidates[~valid[candidates]]
-        valid[summarize] = True  # every pruned layer summarizes them in this step, before reading
-
-        kmax = int(keep_t.max())
-        plan = PrunePlan(rows=rows_t, tokens=torch.tensor([starts[r] for r in rows]), physical=physical,
-                         bias=selection_bias(nb_t, width, log_info), keep=keep_t, kmax=kmax,
-                         beyond=torch.arange(kmax)[None, :] >= keep_t[:, None], summarize=summarize,
-                         table=cm.block_table_tensor.clone())
-        common = replace(cm, seq_lens=new_lens, max_seq_len=int(new_lens.max()),
-                         seq_lens_cpu_upper_bound=None if cm.seq_lens_cpu_upper_bound is None else new_lens.clone())
-        return plan, common
-
-    def _count_savings(self, skipped_tokens: int) -> None:
-        layers = max(len(self.layer_names) - STATE.dense_layers, 0)
-        per_token_flops = 4 * self.num_heads * self.head_dim  # q.k and p.v, multiply-adds x 2
-        per_token_bytes = 2 * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
-        STATE.stats.attention_flops_saved += skipped_tokens * per_token_flops * layers
-        STATE.stats.kv_bytes_saved += skipped_tokens * per_token_bytes * layers
 
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")

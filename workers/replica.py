@@ -44,7 +44,8 @@ class EntropicWorker:
         model_path = str(resolve_model(self.config.model))
         self.metrics = ReplicaMetrics(self.config.model_name)
         engine_kwargs = self.config.engine.engine_kwargs(model_path, self.config.model_name,
-                                                         on_gpu=self.config.num_gpus_per_replica > 0)
+                                                         on_gpu=self.config.num_gpus_per_replica > 0,
+                                                         pruning=self.config.pruning.enabled)
         self.scheduling = self.config.scheduling
         if self.scheduling.enabled:
             engine_kwargs.update(scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority")

@@ -1,0 +1,138 @@
+"""The per-step half of entropic KV pruning, shared by the CPU and GPU attention backends (vllm 0.32.0).
+
+``PruningPlanner`` is mixed into a vLLM attention metadata builder. Once per step it decides,
+for each plain decode row whose request enables pruning, how many blocks K the row keeps (the
+law of ``controller.laws.pruning`` on the request's entropy), rewrites the common metadata's
+sequence lengths to the compacted ones (so the backend's kernel metadata is computed once for
+all layers) and returns the ``PrunePlan`` the layers use to choose *which* K blocks. Rows that
+are not plain decode (prefill chunks, short contexts) keep the dense table.
+
+vLLM hands the builder no request ids; its rows are the input-batch rows, which the logits
+processor publishes in ``workers.pruning_state.STATE`` (see there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kernels.block_select import selection_bias
+from workers.pruning_state import STATE
+
+
+@dataclass
+class PrunePlan:
+    """Everything about this step's selection that does not depend on the layer (built once)."""
+
+    rows: torch.Tensor  # attention rows pruned this step
+    tokens: torch.Tensor  # their query token index
+    physical: torch.Tensor  # [P, W] physical block ids of their logical blocks
+    num_blocks: torch.Tensor  # [P] blocks each row holds
+    bias: torch.Tensor  # [P, W] w * log S_b; +inf sink and current block; -inf past the row's blocks
+    keep: torch.Tensor  # [P] blocks kept
+    kmax: int
+    beyond: torch.Tensor  # [P, kmax] entries past keep[p]
+    summarize: torch.Tensor  # physical blocks whose summaries every layer computes this step
+    table: torch.Tensor  # scratch block table; each layer writes its choice into the pruned rows
+    dense: Any = None  # unpruned metadata, for the dense first layers
+
+
+class PruningPlanner:
+    """Mixin for a vLLM attention metadata builder (uses the base class's ``kv_cache_spec``, ``vllm_config``
+    and ``layer_names``, and ``block_size``, which the CPU and Triton builders both set)."""
+
+    _summary_valid: torch.Tensor | None = None  # per physical block: its key summaries are current
+
+    def _summary_flags(self, device: torch.device) -> torch.Tensor:
+        if self._summary_valid is None:
+            blocks = self.vllm_config.cache_config.num_gpu_blocks or 1
+            self._summary_valid = torch.zeros(blocks, dtype=torch.bool, device=device)
+        return self._summary_valid
+
+    def _plan(self, cm: Any) -> tuple[PrunePlan | None, Any]:
+        if not STATE.rows and self._summary_valid is None:
+            return None, cm
+        bs = self.block_size
+        device = cm.block_table_tensor.device
+        valid = self._summary_flags(device)
+        slots = cm.slot_mapping[: cm.num_actual_tokens]
+        fresh = slots[(slots >= 0) & (slots % bs == 0)] // bs
+        if fresh.numel():
+            valid[fresh.long()] = False  # the block pool recycled these blocks: their summaries are stale
+        if not STATE.rows:
+            return None, cm
+
+        starts = cm.query_start_loc_cpu.tolist()
+        seq_lens = cm.seq_lens.tolist()  # one device sync per step on GPU, none on CPU
+        batch_rows = cm.req_idx.tolist() if cm.req_idx is not None else range(cm.num_reqs)
+        prefilling = cm.is_prefilling.tolist() if cm.is_prefilling is not None else [False] * cm.num_reqs
+        rows, keep, nblocks, infos = [], [], [], []
+        for row, batch_index in enumerate(batch_rows):
+            request = STATE.rows.get(int(batch_index))
+            args = getattr(request, "pruning", None)
+            if args is None or starts[row + 1] - starts[row] != 1 or prefilling[row]:
+                continue
+            n = -(-seq_lens[row] // bs)
+            track = STATE.request(request.key, args)
+            k = track.decide(request.entropy, n, seq_lens[row])
+            track.kept_log.append((k, n))
+            STATE.stats.blocks_total += n
+            STATE.stats.blocks_kept += k
+            if k < n or STATE.always_select:
+                rows.append(row)
+                keep.append(k)
+                nblocks.append(n)
+                info = track.log_info(n, bs)
+                infos.append(None if info is None else [track.info_weight * x for x in info])
+        if not rows:
+            return None, cm
+
+        width = max(nblocks)
+        rows_t = torch.tensor(rows)
+        keep_t = torch.tensor(keep)
+        nb_t = torch.tensor(nblocks)
+        seq_t = torch.tensor([seq_lens[r] for r in rows])
+        physical = cm.block_table_tensor[rows_t.to(device), :width].long()
+        fill = seq_t - (nb_t - 1) * bs
+        compacted = (keep_t - 1) * bs + fill
+        self._count_savings(int((seq_t - compacted).sum()))
+        new_lens = cm.seq_lens.clone()
+        new_lens[rows_t.to(device)] = compacted.to(device=device, dtype=new_lens.dtype)
+
+        log_info = None
+        if any(i is not None for i in infos):
+            log_info = torch.zeros(len(rows), width)
+            for j, info in enumerate(infos):
+                if info is not None:
+                    log_info[j, : len(info)] = torch.tensor(info)
+        span = torch.arange(width, device=device)[None, :]
+        interior = (span >= 1) & (span < nb_t.to(device)[:, None] - 1)
+        candidates = physical[interior].unique()
+        summarize = candidates[~valid[candidates]]
+        valid[summarize] = True  # every pruned layer summarizes them in this step, before reading
+
+        kmax = int(keep_t.max())
+        plan = PrunePlan(rows=rows_t.to(device), tokens=torch.tensor([starts[r] for r in rows], device=device),
+                         physical=physical, num_blocks=nb_t.to(device),
+                         bias=selection_bias(nb_t, width, log_info).to(device), keep=keep_t.to(device), kmax=kmax,
+                         beyond=(torch.arange(kmax)[None, :] >= keep_t[:, None]).to(device), summarize=summarize,
+                         table=cm.block_table_tensor.clone())
+        pruned = set(rows)
+        max_seq_len = max(max((n for r, n in enumerate(seq_lens) if r not in pruned), default=0),
+                          int(compacted.max()))
+        upper = cm.seq_lens_cpu_upper_bound
+        if upper is not None:
+            upper = upper.clone()
+            upper[rows_t] = compacted.to(upper.dtype)
+        common = replace(cm, seq_lens=new_lens, max_seq_len=max_seq_len, seq_lens_cpu_upper_bound=upper)
+        return plan, common
+
+    def _count_savings(self, skipped_tokens: int) -> None:
+        spec, model = self.kv_cache_spec, self.vllm_config.model_config
+        layers = max(len(self.layer_names) - STATE.dense_layers, 0)
+        heads = model.get_num_attention_heads(self.vllm_config.parallel_config)
+        per_token_flops = 4 * heads * spec.head_size  # q.k and p.v, multiply-adds x 2
+        per_token_bytes = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+        STATE.stats.attention_flops_saved += skipped_tokens * per_token_flops * layers
+        STATE.stats.kv_bytes_saved += skipped_tokens * per_token_bytes * layers
