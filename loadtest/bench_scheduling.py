@@ -85,7 +85,8 @@ def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> d
             engine.add_request(job.rid, {"prompt_token_ids": ids}, SamplingParams(
                 temperature=0, max_tokens=job.max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
                 extra_args=extra))
-            tracks[job.rid] = SequenceTrack(time.monotonic(), time.monotonic(), len(ids), CLASSES[job.kind][1])
+            tracks[job.rid] = SequenceTrack(time.monotonic(), time.monotonic(), len(ids), CLASSES[job.kind][1],
+                                            job.max_tokens)
             tokens[job.rid] = []
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(0.01, pending[0].arrival - now)) if pending else 0.0)
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preempt-margin", type=float, default=None,
                         help="enable priority preemption with this π ratio (default: the config's, off)")
     parser.add_argument("--alpha", type=float, default=None, help="override scheduling.alpha")
+    parser.add_argument("--delta", type=float, default=None, help="override scheduling.delta (remaining-work weight)")
     parser.add_argument("--out", default="docs/benchmarks/scheduling")
     args = parser.parse_args(argv)
 
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = LLMEngine.from_engine_args(EngineArgs(
         **common, logits_processors=[EntropicLogitsProcessor], scheduling_policy="priority",
         scheduler_cls="workers.scheduler.EntropicScheduler"))
-    overrides = {k: v for k, v in (("preempt_margin", args.preempt_margin), ("alpha", args.alpha)) if v is not None}
+    overrides = {k: v for k, v in (("preempt_margin", args.preempt_margin), ("alpha", args.alpha),
+                                   ("delta", args.delta)) if v is not None}
     scheduling = SchedulingConfig(**overrides)
     scheduler = ours.engine_core.engine_core.scheduler
     scheduler.board = PriorityBoard()
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                                               for c in results[n][0]["per_class_mean_e2e_s"]}
     ratios = {k: summary["pi"][k] / summary["fcfs"][k] for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
     publish("loadtest.bench_scheduling", argv, args.out,
-            {"settings": vars(args), "classes": CLASSES, "median": summary, "ratio_pi_to_fcfs": ratios,
+            {"settings": vars(args), "scheduling": scheduling.model_dump(), "classes": CLASSES, "median": summary,
+             "ratio_pi_to_fcfs": ratios,
              "identical_output_fraction": same,
              "rounds": {n: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for n, xs in results.items()}},
             _markdown)
@@ -230,6 +234,10 @@ def _markdown(result: dict) -> str:
     for name, row in med.items():
         lines.append(f"| {name} | {row['mean_e2e_s']:.2f} | {row['p99_e2e_s']:.2f} | {row['mean_ttft_s']:.2f} | "
                      f"{row['goodput_rps']:.3f} | {100 * row['within_slo']:.0f}% | {row['preemptions']:.0f} |")
+    if "scheduling" in result:
+        w = result["scheduling"]
+        lines += ["", f"π weights: α {w['alpha']}, β {w['beta']}, γ {w['gamma']}, δ (remaining work) "
+                  f"{w.get('delta', 0.0)}, aging {w['aging_s']} s, priority preemption margin {w['preempt_margin']}."]
     lines += ["", f"π / FCFS: mean e2e {ratio['mean_e2e_s']:.3f}, p99 e2e {ratio['p99_e2e_s']:.3f}, "
               f"mean TTFT {ratio['mean_ttft_s']:.3f}, goodput {ratio['goodput_rps']:.3f}.", "",
               "Per class mean e2e (s): " + "; ".join(

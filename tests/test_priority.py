@@ -23,6 +23,19 @@ def test_each_term_moves_priority_the_right_way():
     assert priority(with_(waited_s=3.0), W) > p
 
 
+def test_remaining_work_term_ranks_shorter_remaining_work_first_only_when_weighted():
+    srpt = PriorityWeights(delta=2.0)
+    short, long_ = with_(remaining_tokens=12), with_(remaining_tokens=128)
+    assert priority(short, srpt) > priority(long_, srpt)
+    assert priority(short, W) == priority(long_, W)  # delta = 0: the paper's π
+    lo, hi = priority_bounds(srpt, max_drop=10.0, max_tokens=8192, max_blocks=512, max_remaining=4096)
+    assert lo <= base_priority(with_(remaining_tokens=4096, expected_drop=0.0, attended_tokens=8192,
+                                     kv_blocks=512, waited_s=0.0), srpt)
+    assert max_wait_bound(srpt, 10.0, 8192, 512, 4096) > max_wait_bound(srpt, 10.0, 8192, 512)
+    with pytest.raises(ValueError):
+        PriorityWeights(delta=-1.0)
+
+
 def test_a_resolved_sequence_keeps_a_positive_priority():
     assert priority(with_(expected_drop=0.0), W) > 0
 

@@ -93,7 +93,7 @@ class EntropicWorker:
         from workers.engine import EngineRequestError
 
         now = time.monotonic()
-        track = self._active[key] = SequenceTrack(now, now, len(ids), self.scheduling.slo_s)
+        track = self._active[key] = SequenceTrack(now, now, len(ids), self.scheduling.slo_s, params.max_tokens)
         try:
             async for delta in self.runner.generate(key, {"prompt_token_ids": ids}, params, len(ids)):
                 track.observe(delta, time.monotonic(), self.scheduling.drop_ewma)

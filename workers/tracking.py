@@ -16,6 +16,7 @@ class SequenceTrack:
     last_progress: float
     prompt_tokens: int
     slo_s: float
+    max_tokens: int | None = None  # the request's output budget (R_s of π); None: unknown, no R_s term
     generated: int = 0
     expected_drop: float | None = None
     last_entropy: float | None = None
@@ -40,7 +41,8 @@ class SequenceTrack:
         return SequenceState(
             expected_drop=self.expected_drop if self.expected_drop is not None else prior_drop,
             attended_tokens=float(context), kv_blocks=context / block_size,
-            waited_s=max(0.0, now - self.last_progress), slo_s=self.slo_s)
+            waited_s=max(0.0, now - self.last_progress), slo_s=self.slo_s,
+            remaining_tokens=0.0 if self.max_tokens is None else float(max(0, self.max_tokens - self.generated)))
 
     def summary(self, now: float) -> dict:
         out = asdict(self)

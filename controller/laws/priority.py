@@ -1,6 +1,6 @@
 """Scheduling priority π(s) of paper §3.1/§7.3, with the aging that makes Prop. 3 hold.
 
-    π(s) = max(E[ΔH_s], ε) / (α·C_s + β·M_s + γ·L_s) · 2^(w_s / τ_age)
+    π(s) = max(E[ΔH_s], ε) / (α·C_s + β·M_s + γ·L_s + δ·R_s) · 2^(w_s / τ_age)
 
 * E[ΔH_s]: predicted irreversible entropy reduction per step (EWMA of ΔH⁺; a prior before
   the first token).
@@ -8,6 +8,12 @@
 * M_s: KV memory held, in units of ``ref_blocks``.
 * L_s: latency slack, 1 − w_s / SLO clipped to [l_min, 1]: it shrinks as the request waits,
   so urgency raises π through the denominator the paper puts it in.
+* R_s (our addition, δ = 0 gives the paper's π): remaining work, the decode tokens the request
+  may still generate (its max_tokens minus those generated), in units of ``ref_output_tokens``.
+  C_s prices one step; R_s prices how many steps the slot stays taken. Without it π ranks a
+  long free-form generation above a long-context question that needs a dozen tokens, and the
+  measured mean latency was worse than FCFS (docs/benchmarks/scheduling.md): shortest remaining
+  work first is what lowers mean latency in a queue.
 * The aging factor doubles π every τ_age seconds waited. The paper's argument for Prop. 3
   (resolved sequences lose priority) does not prevent starvation by itself: a sequence
   whose E[ΔH] stays near 0 could wait forever. With aging, every waiting sequence overtakes
@@ -33,11 +39,16 @@ class PriorityWeights:
     slack_floor: float = 0.05
     ref_tokens: float = 1024.0
     ref_blocks: float = 64.0
+    delta: float = 0.0
+    ref_output_tokens: float = 128.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma", "aging_s", "drop_floor", "slack_floor", "ref_tokens", "ref_blocks"):
+        for name in ("alpha", "beta", "gamma", "aging_s", "drop_floor", "slack_floor", "ref_tokens", "ref_blocks",
+                     "ref_output_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.delta < 0:
+            raise ValueError("delta must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class SequenceState:
     kv_blocks: float
     waited_s: float
     slo_s: float
+    remaining_tokens: float = 0.0
 
 
 def latency_slack(waited_s: float, slo_s: float, floor: float) -> float:
@@ -55,7 +67,8 @@ def latency_slack(waited_s: float, slo_s: float, floor: float) -> float:
 
 def base_priority(s: SequenceState, w: PriorityWeights) -> float:
     cost = (w.alpha * s.attended_tokens / w.ref_tokens + w.beta * s.kv_blocks / w.ref_blocks
-            + w.gamma * latency_slack(s.waited_s, s.slo_s, w.slack_floor))
+            + w.gamma * latency_slack(s.waited_s, s.slo_s, w.slack_floor)
+            + w.delta * s.remaining_tokens / w.ref_output_tokens)
     return max(s.expected_drop, w.drop_floor) / cost
 
 
@@ -67,19 +80,22 @@ def ewma(previous: float | None, value: float, weight: float) -> float:
     return value if previous is None else (1.0 - weight) * previous + weight * value
 
 
-def priority_bounds(w: PriorityWeights, max_drop: float, max_tokens: float, max_blocks: float) -> tuple[float, float]:
+def priority_bounds(w: PriorityWeights, max_drop: float, max_tokens: float, max_blocks: float,
+                    max_remaining: float = 0.0) -> tuple[float, float]:
     """Bounds of the un-aged π over all states with E[ΔH] ≤ max_drop and the given resources (Prop. 2)."""
-    worst_cost = w.alpha * max_tokens / w.ref_tokens + w.beta * max_blocks / w.ref_blocks + w.gamma
+    worst_cost = (w.alpha * max_tokens / w.ref_tokens + w.beta * max_blocks / w.ref_blocks + w.gamma
+                  + w.delta * max_remaining / w.ref_output_tokens)
     best_cost = w.gamma * w.slack_floor
     return w.drop_floor / worst_cost, max(max_drop, w.drop_floor) / best_cost
 
 
-def max_wait_bound(w: PriorityWeights, max_drop: float, max_tokens: float, max_blocks: float) -> float:
+def max_wait_bound(w: PriorityWeights, max_drop: float, max_tokens: float, max_blocks: float,
+                   max_remaining: float = 0.0) -> float:
     """Seconds after which a waiting sequence outranks any sequence that has not waited.
 
     lo · 2^(t/aging) ≥ hi  ⇔  t ≥ aging · log2(hi/lo).
     """
-    lo, hi = priority_bounds(w, max_drop, max_tokens, max_blocks)
+    lo, hi = priority_bounds(w, max_drop, max_tokens, max_blocks, max_remaining)
     return w.aging_s * math.log2(hi / lo)
 
 
