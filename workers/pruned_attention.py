@@ -21,14 +21,9 @@ order, current block last) and the matching shorter sequence length.
 """
 from __future__ import annotations
 
-import copy
 import logging
-import re
-import time
-from typing import Any
 
 import torch
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -37,7 +32,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from kernels.block_select import block_scores, select_blocks, summarize_blocks
 from kernels.cpu_select import select_into_table
-from workers.pruning_plan import PrunePlan, PruningPlanner
+from workers.pruning_plan import PrunedLayers, PrunePlan, PruningPlanner
 from workers.pruning_state import STATE
 
 logger = logging.getLogger(__name__)
@@ -58,18 +53,6 @@ class PrunedCPUAttentionBackend(CPUAttentionBackend):
 
 
 class PrunedCPUAttentionMetadataBuilder(PruningPlanner, CPUAttentionMetadataBuilder):
-    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
-        plan, common = None, common_attn_metadata
-        if self._prunable():
-            started = time.perf_counter()
-            plan, common = self._plan(common_attn_metadata)
-            STATE.stats.selection_seconds += time.perf_counter() - started
-        md = super().build(common_prefix_len, common, fast_build)
-        if plan is not None and STATE.dense_layers > 0:
-            plan.dense = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        md.prune = plan
-        return md
-
     def _prunable(self) -> bool:
         if self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
             return False
@@ -80,8 +63,6 @@ class PrunedCPUAttentionMetadataBuilder(PruningPlanner, CPUAttentionMetadataBuil
             return False
         return True
 
-
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 # ISAs whose key-cache block layout key_cache_view reads (checked by tests/test_vllm_pins.py
 # against the keys vLLM writes). Others (e.g. "amx" for bf16 on AMX CPUs) stay dense.
@@ -101,34 +82,8 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return keys.view(blocks, kv_heads, d, block_size).transpose(2, 3)
 
 
-class PrunedCPUAttentionBackendImpl(CPUAttentionBackendImpl):
-    _summaries: torch.Tensor | None = None  # [KV heads, blocks, 2 * head_dim]: per-channel (max | min) of keys
-    _layer_index: int | None = None
-
-    def _index(self, layer: Any) -> int:
-        if self._layer_index is None:
-            found = _LAYER_INDEX.search(getattr(layer, "layer_name", ""))
-            self._layer_index = int(found.group(1)) if found else 1 << 30
-        return self._layer_index
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        plan = getattr(attn_metadata, "prune", None) if attn_metadata is not None else None
-        if plan is None or self.attn_type != AttentionType.DECODER:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
-        if self._index(layer) < STATE.dense_layers:
-            return super().forward(layer, query, key, value, kv_cache, plan.dense, output,
-                                   output_scale, output_block_scale)
-        started = time.perf_counter()
-        metadata = copy.copy(attn_metadata)
-        metadata.block_table = self._compacted_table(query, kv_cache, attn_metadata.block_table, plan)
-        STATE.stats.selection_seconds += time.perf_counter() - started
-        return super().forward(layer, query, key, value, kv_cache, metadata, output,
-                               output_scale, output_block_scale)
-
-    def _compacted_table(self, query: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor,
-                         plan: PrunePlan) -> torch.Tensor:
+class PrunedCPUAttentionBackendImpl(PrunedLayers, CPUAttentionBackendImpl):
+    def _compacted_table(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
         key_cache = key_cache_view(kv_cache)
         blocks, kv_heads = key_cache.shape[:2]
         if self._summaries is None or self._summaries.shape[1] != blocks:

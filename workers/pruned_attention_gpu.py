@@ -18,11 +18,10 @@ Quantized KV caches stay dense (their scale layout is not read here).
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, ClassVar
 
 import torch
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
@@ -30,8 +29,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from kernels.block_select import select_blocks
-from workers.pruning_plan import PrunePlan, PruningPlanner
-from workers.pruning_state import STATE
+from workers.pruning_plan import PrunedLayers, PrunePlan, PruningPlanner
 
 
 class PrunedTritonAttentionBackend(TritonAttentionBackend):
@@ -51,47 +49,17 @@ class PrunedTritonAttentionBackend(TritonAttentionBackend):
 class PrunedTritonAttentionMetadataBuilder(PruningPlanner, TritonAttentionMetadataBuilder):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
-    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
-        plan, common = None, common_attn_metadata
-        if self._prunable():
-            plan, common = self._plan(common_attn_metadata)
-        md = super().build(common_prefix_len, common, fast_build)
-        if plan is not None and STATE.dense_layers > 0:
-            plan.dense = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        md.prune = plan
-        return md
-
     def _prunable(self) -> bool:
         spec = self.kv_cache_spec
         return getattr(spec, "sliding_window", None) is None and self.vllm_config.cache_config.cache_dtype == "auto"
 
 
-class PrunedTritonAttentionImpl(TritonAttentionImpl):
-    _summaries: torch.Tensor | None = None  # [KV heads, blocks, 2 * head_size] float32: (max | min) of keys
-    _layer_index: int | None = None
+class PrunedTritonAttentionImpl(PrunedLayers, TritonAttentionImpl):
+    def _prunes(self) -> bool:
+        return super()._prunes() and not self._is_per_token_head_quant
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        plan = getattr(attn_metadata, "prune", None) if attn_metadata is not None else None
-        if plan is None or self.attn_type != AttentionType.DECODER or self._is_per_token_head_quant:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
-        if layer_index(self, layer) < STATE.dense_layers:
-            return super().forward(layer, query, key, value, kv_cache, plan.dense, output,
-                                   output_scale, output_block_scale)
-        metadata = copy.copy(attn_metadata)
-        metadata.block_table = compacted_table(self, query, kv_cache, plan)
-        return super().forward(layer, query, key, value, kv_cache, metadata, output,
-                               output_scale, output_block_scale)
-
-
-def layer_index(impl: Any, layer: Any) -> int:
-    if impl._layer_index is None:
-        from workers.pruned_attention import _LAYER_INDEX
-
-        found = _LAYER_INDEX.search(getattr(layer, "layer_name", ""))
-        impl._layer_index = int(found.group(1)) if found else 1 << 30
-    return impl._layer_index
+    def _compacted_table(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
+        return compacted_table(self, query, kv_cache, plan)
 
 
 def compacted_table(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor, plan: PrunePlan) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The per-step half of entropic KV pruning, shared by the CPU and GPU attention backends (vllm 0.32.0).
+"""What the CPU and GPU pruned attention backends share (adapter; vllm 0.32.0).
 
 ``PruningPlanner`` is mixed into a vLLM attention metadata builder. Once per step it decides,
 for each plain decode row whose request enables pruning, how many blocks K the row keeps (the
@@ -9,13 +9,21 @@ are not plain decode (prefill chunks, short contexts) keep the dense table.
 
 vLLM hands the builder no request ids; its rows are the input-batch rows, which the logits
 processor publishes in ``workers.pruning_state.STATE`` (see there).
+
+``PrunedLayers`` is mixed into the backend's attention impl: pruned decode rows of each layer get
+the plan's compacted block table (the backend's ``_compacted_table`` chooses this layer's blocks),
+the first ``STATE.dense_layers`` layers and everything else go to vLLM's forward unchanged.
 """
 from __future__ import annotations
 
+import copy
+import re
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from vllm.v1.attention.backend import AttentionType
 
 from kernels.block_select import selection_bias
 from workers.pruning_state import STATE
@@ -39,10 +47,28 @@ class PrunePlan:
 
 
 class PruningPlanner:
-    """Mixin for a vLLM attention metadata builder (uses the base class's ``kv_cache_spec``, ``vllm_config``
-    and ``layer_names``, and ``block_size``, which the CPU and Triton builders both set)."""
+    """Mixin for a vLLM attention metadata builder, listed before it (``build`` wraps the builder's own).
+
+    Uses the base class's ``kv_cache_spec``, ``vllm_config`` and ``layer_names``, and ``block_size``,
+    which the CPU and Triton builders both set."""
 
     _summary_valid: torch.Tensor | None = None  # per physical block: its key summaries are current
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        """vLLM's metadata for the compacted lengths, carrying this step's plan as ``prune`` (None: dense)."""
+        plan, common = None, common_attn_metadata
+        if self._prunable():
+            started = time.perf_counter()
+            plan, common = self._plan(common_attn_metadata)
+            STATE.stats.selection_seconds += time.perf_counter() - started
+        md = super().build(common_prefix_len, common, fast_build)
+        if plan is not None and STATE.dense_layers > 0:
+            plan.dense = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        md.prune = plan
+        return md
+
+    def _prunable(self) -> bool:
+        raise NotImplementedError  # the backend says which of its layers it can prune
 
     def _summary_flags(self, device: torch.device) -> torch.Tensor:
         if self._summary_valid is None:
@@ -136,3 +162,41 @@ class PruningPlanner:
         per_token_bytes = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
         STATE.stats.attention_flops_saved += skipped_tokens * per_token_flops * layers
         STATE.stats.kv_bytes_saved += skipped_tokens * per_token_bytes * layers
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+class PrunedLayers:
+    """Mixin for a vLLM attention impl, listed before it (``forward`` wraps the impl's own)."""
+
+    _summaries: torch.Tensor | None = None  # [KV heads, blocks, 2 * head size] float32: per-channel (max | min) of keys
+    _layer_index: int | None = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        plan = getattr(attn_metadata, "prune", None) if attn_metadata is not None else None
+        if plan is None or not self._prunes():
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if self._index(layer) < STATE.dense_layers:
+            return super().forward(layer, query, key, value, kv_cache, plan.dense, output,
+                                   output_scale, output_block_scale)
+        started = time.perf_counter()
+        metadata = copy.copy(attn_metadata)
+        metadata.block_table = self._compacted_table(query, kv_cache, plan)
+        STATE.stats.selection_seconds += time.perf_counter() - started
+        return super().forward(layer, query, key, value, kv_cache, metadata, output,
+                               output_scale, output_block_scale)
+
+    def _prunes(self) -> bool:
+        return self.attn_type == AttentionType.DECODER
+
+    def _index(self, layer: Any) -> int:
+        if self._layer_index is None:
+            found = _LAYER_INDEX.search(getattr(layer, "layer_name", ""))
+            self._layer_index = int(found.group(1)) if found else 1 << 30
+        return self._layer_index
+
+    def _compacted_table(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
+        raise NotImplementedError  # the backend's selection for its cache layout
