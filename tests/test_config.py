@@ -16,6 +16,11 @@ def test_defaults_serve_the_default_model():
     assert config.engine.engine_kwargs("/m", "name", on_gpu=True, pruning=True)["attention_backend"] == "TRITON_ATTN"
     assert "attention_backend" not in config.engine.engine_kwargs("/m", "name", on_gpu=False, pruning=True)
     assert "attention_backend" not in config.engine.engine_kwargs("/m", "name", on_gpu=True, pruning=False)
+    # CPU + pruning: the block size the pruning benchmark found fastest, unless the config names one
+    assert config.engine.engine_kwargs("/m", "name", pruning=True)["block_size"] == 64
+    assert "block_size" not in config.engine.engine_kwargs("/m", "name", pruning=False)
+    named = AppConfig.model_validate({"engine": {"block_size": 128}})
+    assert named.engine.engine_kwargs("/m", "name", pruning=True)["block_size"] == 128
 
 
 @pytest.mark.parametrize("raw,field", [
