@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preempt-margin", type=float, default=None,
                         help="enable priority preemption with this π ratio (default: the config's, off)")
     parser.add_argument("--alpha", type=float, default=None, help="override scheduling.alpha")
-    parser.add_argument("--delta", type=float, default=None, help="override scheduling.delta (remaining-work weight)")
+    parser.add_argument("--delta", type=float, default=None, help="override scheduling.delta (remaining-work weight; 0: the paper's π)")
     parser.add_argument("--out", default="docs/benchmarks/scheduling")
     args = parser.parse_args(argv)
 

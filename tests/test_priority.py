@@ -34,6 +34,8 @@ def test_remaining_work_term_ranks_shorter_remaining_work_first_only_when_weight
     assert max_wait_bound(srpt, 10.0, 8192, 512, 4096) > max_wait_bound(srpt, 10.0, 8192, 512)
     with pytest.raises(ValueError):
         PriorityWeights(delta=-1.0)
+    # an unset max_tokens (the context limit) is priced like a long answer, not like 8K tokens of work
+    assert priority(with_(remaining_tokens=8000), srpt) == priority(with_(remaining_tokens=512), srpt)
 
 
 def test_a_resolved_sequence_keeps_a_positive_priority():

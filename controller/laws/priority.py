@@ -9,7 +9,9 @@
 * L_s: latency slack, 1 − w_s / SLO clipped to [l_min, 1]: it shrinks as the request waits,
   so urgency raises π through the denominator the paper puts it in.
 * R_s (our addition, δ = 0 gives the paper's π): remaining work, the decode tokens the request
-  may still generate (its max_tokens minus those generated), in units of ``ref_output_tokens``.
+  may still generate (its max_tokens minus those generated, at most ``remaining_cap_tokens``: a
+  request that leaves max_tokens at the context limit is priced like a long answer, not starved),
+  in units of ``ref_output_tokens``.
   C_s prices one step; R_s prices how many steps the slot stays taken. Without it π ranks a
   long free-form generation above a long-context question that needs a dozen tokens, and the
   measured mean latency was worse than FCFS (docs/benchmarks/scheduling.md): shortest remaining
@@ -41,10 +43,11 @@ class PriorityWeights:
     ref_blocks: float = 64.0
     delta: float = 0.0
     ref_output_tokens: float = 128.0
+    remaining_cap_tokens: float = 512.0
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma", "aging_s", "drop_floor", "slack_floor", "ref_tokens", "ref_blocks",
-                     "ref_output_tokens"):
+                     "ref_output_tokens", "remaining_cap_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.delta < 0:
@@ -68,7 +71,7 @@ def latency_slack(waited_s: float, slo_s: float, floor: float) -> float:
 def base_priority(s: SequenceState, w: PriorityWeights) -> float:
     cost = (w.alpha * s.attended_tokens / w.ref_tokens + w.beta * s.kv_blocks / w.ref_blocks
             + w.gamma * latency_slack(s.waited_s, s.slo_s, w.slack_floor)
-            + w.delta * s.remaining_tokens / w.ref_output_tokens)
+            + w.delta * min(s.remaining_tokens, w.remaining_cap_tokens) / w.ref_output_tokens)
     return max(s.expected_drop, w.drop_floor) / cost
 
 
@@ -84,7 +87,7 @@ def priority_bounds(w: PriorityWeights, max_drop: float, max_tokens: float, max_
                     max_remaining: float = 0.0) -> tuple[float, float]:
     """Bounds of the un-aged π over all states with E[ΔH] ≤ max_drop and the given resources (Prop. 2)."""
     worst_cost = (w.alpha * max_tokens / w.ref_tokens + w.beta * max_blocks / w.ref_blocks + w.gamma
-                  + w.delta * max_remaining / w.ref_output_tokens)
+                  + w.delta * min(max_remaining, w.remaining_cap_tokens) / w.ref_output_tokens)
     best_cost = w.gamma * w.slack_floor
     return w.drop_floor / worst_cost, max(max_drop, w.drop_floor) / best_cost
 
