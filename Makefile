@@ -43,20 +43,10 @@ test: model prometheus
 dashboards:
 	$(PY) -m monitoring.dashboards
 
+# Benchmarks and the paper's ablations (loadtest/): `make <name> ARGS="..."` runs loadtest/<name with _>.py.
+LOADTEST := bench-scheduling bench-pruning ablation ablation-estimators calibration-stress
 bench: model
 	$(PY) -m loadtest.bench_sampling $(ARGS)
 
-bench-scheduling: model
-	$(PY) -m loadtest.bench_scheduling $(ARGS)
-
-bench-pruning: model
-	$(PY) -m loadtest.bench_pruning $(ARGS)
-
-ablation: model
-	$(PY) -m loadtest.ablation $(ARGS)
-
-ablation-estimators: model
-	$(PY) -m loadtest.ablation_estimators $(ARGS)
-
-calibration-stress: model
-	$(PY) -m loadtest.calibration_stress $(ARGS)
+$(LOADTEST): model
+	$(PY) -m loadtest.$(subst -,_,$@) $(ARGS)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from workers.hardware import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "block_select.c"
@@ -25,20 +27,9 @@ _lib: ctypes.CDLL | None = None
 _failed = False
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _compile_flags() -> list[str]:
     flags = ["-O3", "-shared", "-fPIC", "-std=c11"]
-    have = _cpu_flags()
-    if {"avx2", "fma"} <= have:  # built where it runs (make install / first use), so the host's ISA is safe
+    if {"avx2", "fma"} <= cpu_flags():  # built where it runs (make install / first use), so the host's ISA is safe
         flags += ["-mavx2", "-mfma"]
     return flags
 

@@ -58,18 +58,12 @@ def worker(args) -> dict:
     def params(max_tokens: int, prompt_tokens: int):
         if not pruned:
             return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        import uuid
-
-        from workers.control_params import PruningControl, SamplingControl
+        from loadtest.pruned_requests import greedy_params
+        from workers.control_params import PruningControl
 
         control = PruningControl() if args.keep is None else PruningControl(
             keep_min=args.keep, entropy_high=20.0, max_step=1.0)
-        entropic = SamplingControl().engine_args(uuid.uuid4().hex, 0.0)
-        entropic["pruning"] = control.engine_args()
-        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args={"entropic": entropic})
-        if control.wants_surprisal(prompt_tokens + max_tokens):  # as workers.prompts decides
-            p.logprobs = 0
-        return p
+        return greedy_params(max_tokens, control, context_tokens=prompt_tokens + max_tokens)[0]
 
     from workers.pruning_state import STATE
 

@@ -21,11 +21,11 @@ import argparse
 import math
 import re
 import statistics as st
-import uuid
 
 from controller.laws.calibration import fit_temperature
+from loadtest.pruned_requests import generate_counting_kept, greedy_params
 from loadtest.workload import passkey_prompt
-from workers.control_params import PruningControl, SamplingControl
+from workers.control_params import PruningControl
 
 NAIVE = PruningControl(keep_min=0.05, min_blocks=2, entropy_low=0.5, entropy_high=3.0, max_step=1.0)
 GUARDS = {"entropy_min": 1.75, "min_blocks": 8}
@@ -75,33 +75,17 @@ def _engine(model_dir: str):
 
 def _run(llm, prompts: list[str], keys: list[int], scale: float, pruning: PruningControl | None, t_cal: float,
          max_tokens: int) -> dict[str, float]:
-    from vllm import SamplingParams
-
     from workers.engine import find_logits_processor
-    from workers.pruning_state import STATE
     from workers.sampling import EntropicLogitsProcessor
 
-    params, ids = [], []
-    for _ in prompts:
-        key = uuid.uuid4().hex
-        entropic = SamplingControl(t_cal=t_cal).engine_args(key, 0.0)
-        if pruning is not None:
-            entropic["pruning"] = pruning.engine_args()
-        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                           extra_args={"entropic": entropic, "fidelity": {"key": key, "scale": scale}})
-        if pruning is not None and pruning.wants_surprisal(8192):
-            p.logprobs = 0
-        params.append(p)
-        ids.append(key)
-    kept, total = STATE.stats.blocks_kept, STATE.stats.blocks_total
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    total = STATE.stats.blocks_total - total
+    params, ids = zip(*[greedy_params(max_tokens, pruning, t_cal=t_cal, fidelity={"scale": scale}) for _ in prompts])
+    outs, kept = generate_counting_kept(llm, prompts, params)
     processor = find_logits_processor(llm.llm_engine, EntropicLogitsProcessor)
     entropies = [h for key in ids for h, _ in processor.records(key) if math.isfinite(h)]
     for key in ids:
         processor.forget(key)
     return {"passkey": st.mean(str(k) in o.outputs[0].text for o, k in zip(outs, keys)),
-            "kept": (STATE.stats.blocks_kept - kept) / total if total else 1.0,
+            "kept": kept,
             "entropy_mean": st.mean(entropies), "entropy_std": st.pstdev(entropies)}
 
 

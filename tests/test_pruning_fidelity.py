@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 import pydoc_data.topics
 import re
-import uuid
 
 import pytest
 
+from loadtest.pruned_requests import generate_counting_kept, greedy_params
 from loadtest.workload import passkey_prompt
-from workers.control_params import PruningControl, SamplingControl
+from workers.control_params import PruningControl
 
 # ~2K, ~4K and ~7K tokens of filler; passkey at three depths each
 PASSKEY_CASES = [(reps, depth) for reps in (85, 170, 295) for depth in (0.2, 0.5, 0.8)]
@@ -42,30 +42,9 @@ def llm(model_dir):
     STATE.attach_rows({})  # one engine per process: detach before another test module starts its own
 
 
-def _params(pruning: PruningControl | None, max_tokens: int, fidelity: dict | None = None, t_cal: float = 1.0):
-    from vllm import SamplingParams
-
-    key = uuid.uuid4().hex
-    entropic = SamplingControl(t_cal=t_cal).engine_args(key, 0.0)
-    if pruning is not None and pruning.engine_args() is not None:
-        entropic["pruning"] = pruning.engine_args()
-    extra = {"entropic": entropic}
-    if fidelity is not None:
-        extra["fidelity"] = {"key": key, **fidelity}
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
-    if pruning is not None and pruning.wants_surprisal(8192):
-        params.logprobs = 0  # as workers.prompts does for the surprisal weights
-    return params, key
-
-
 def _generate(llm, prompts, pruning, max_tokens, fidelity=None, t_cal=1.0):
-    from workers.pruning_state import STATE
-
-    params, keys = zip(*[_params(pruning, max_tokens, fidelity, t_cal) for _ in prompts])
-    kept_before, total_before = STATE.stats.blocks_kept, STATE.stats.blocks_total
-    outs = llm.generate(list(prompts), list(params), use_tqdm=False)
-    total = STATE.stats.blocks_total - total_before
-    ratio = (STATE.stats.blocks_kept - kept_before) / total if total else 1.0
+    params, keys = zip(*[greedy_params(max_tokens, pruning, t_cal=t_cal, fidelity=fidelity) for _ in prompts])
+    outs, ratio = generate_counting_kept(llm, prompts, params)
     return outs, list(keys), ratio
 
 

@@ -15,13 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
-    import json, sys, uuid
+    import json, sys
     from workers.engine import configure_process_env
     configure_process_env(2, 1)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.v1.core.sched.scheduler import Scheduler
+    from loadtest.pruned_requests import greedy_params
     from loadtest.workload import passkey_prompt
-    from workers.control_params import PruningControl, SamplingControl
+    from workers.control_params import PruningControl
     from workers.pruning_state import STATE
     from workers.sampling import EntropicLogitsProcessor
 
@@ -39,13 +40,7 @@ SCRIPT = textwrap.dedent("""
     keys = [48611, 70937]
     prompts = [passkey_prompt(170, depth, key) for depth, key in zip((0.3, 0.7), keys)]
     pruning = PruningControl(keep_min=0.25, entropy_high=20.0, max_step=1.0)
-    params = []
-    for _ in prompts:
-        entropic = SamplingControl().engine_args(uuid.uuid4().hex, 0.0)
-        entropic["pruning"] = pruning.engine_args()
-        params.append(SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=0,
-                                     extra_args={"entropic": entropic}))
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, [greedy_params(120, pruning)[0] for _ in prompts], use_tqdm=False)
     print(json.dumps({
         "preemptions": len(preempted),
         "prompt_tokens": [len(o.prompt_token_ids) for o in outs],

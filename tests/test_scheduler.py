@@ -36,8 +36,7 @@ def _add(engine, keys):
 
 
 def _running(scheduler) -> set[str]:
-    keys = {rid: key for key, rid in scheduler._internal_ids.items()}
-    return {keys[r.request_id] for r in scheduler.running}
+    return {scheduler._keys[r.request_id] for r in scheduler.running}
 
 
 def _drain(engine) -> dict[str, int]:

@@ -43,19 +43,19 @@ class EntropicScheduler(Scheduler):
         self.grants: GrantBoard | None = None
         self.priority_preemptions = 0
         self.withheld_steps = 0  # (request, step) pairs left out for lack of a grant
-        self._internal_ids: dict[str, str] = {}
-        self._keys: dict[str, str] = {}
+        self._keys: dict[str, str] = {}  # vLLM's internal request id -> the caller's key
         self._applied_version = 0
 
     def add_request(self, request) -> None:
         params = request.sampling_params
         cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
         if cfg is not None:
-            self._internal_ids[str(cfg["key"])] = request.request_id
             self._keys[request.request_id] = str(cfg["key"])
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
+        if len(self._keys) > 2 * len(self.requests) + 64:  # drop finished requests' keys now and then
+            self._keys = {r: k for r, k in self._keys.items() if r in self.requests}
         self._apply_priorities()
         held = self._withhold_ungranted()
         try:
@@ -70,9 +70,6 @@ class EntropicScheduler(Scheduler):
         return output
 
     def _withhold_ungranted(self) -> list:
-        if len(self._keys) > 4 * len(self.requests) + 64:  # finished requests' keys (no board to prune them)
-            self._keys = {r: k for r, k in self._keys.items() if r in self.requests}
-            self._internal_ids = {k: r for r, k in self._keys.items()}
         if self.grants is None or not self.running:
             return []
         keyed = {r.request_id: self._keys.get(r.request_id) for r in self.running}
@@ -92,10 +89,9 @@ class EntropicScheduler(Scheduler):
         if version == self._applied_version:
             return
         self._applied_version = version
-        self._internal_ids = {k: r for k, r in self._internal_ids.items() if r in self.requests}
-        self._keys = {r: k for k, r in self._internal_ids.items()}
+        by_key = {k: self.requests[r] for r, k in self._keys.items() if r in self.requests}
         for key, pi in priorities.items():
-            request = self.requests.get(self._internal_ids.get(key, ""))
+            request = by_key.get(key)
             if request is not None:
                 request.priority = -pi
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))

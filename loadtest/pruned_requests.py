@@ -1,0 +1,42 @@
+"""Greedy requests through our engine path, shared by the pruning tests and benchmarks (offline ``vllm.LLM``).
+
+``greedy_params`` builds the SamplingParams the way ``workers.prompts.sampling_params`` does for a
+served request (our ``entropic`` args, the pruning args, vLLM's raw logprob of each sampled token when
+the pruner needs surprisal), plus the optional ``fidelity`` args of ``workers.fidelity``.
+``generate_counting_kept`` runs a batch and returns the share of KV blocks the pruner attended.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from workers.control_params import PruningControl, SamplingControl
+
+
+def greedy_params(max_tokens: int, pruning: PruningControl | None = None, *, t_cal: float = 1.0,
+                  fidelity: dict[str, Any] | None = None, context_tokens: int = 8192) -> tuple[Any, str]:
+    """(SamplingParams, request key); ``context_tokens``: the longest the request can get (prompt + output)."""
+    from vllm import SamplingParams
+
+    key = uuid.uuid4().hex
+    entropic = SamplingControl(t_cal=t_cal).engine_args(key, 0.0)
+    pruning_args = pruning.engine_args() if pruning is not None else None
+    if pruning_args is not None:
+        entropic["pruning"] = pruning_args
+    extra: dict[str, Any] = {"entropic": entropic}
+    if fidelity is not None:
+        extra["fidelity"] = {"key": key, **fidelity}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+    if pruning is not None and pruning.wants_surprisal(context_tokens):
+        params.logprobs = 0
+    return params, key
+
+
+def generate_counting_kept(llm: Any, prompts: list[str], params: list[Any]) -> tuple[list[Any], float]:
+    """The outputs and the fraction of KV blocks attended over the batch's decode steps (1.0: nothing pruned)."""
+    from workers.pruning_state import STATE
+
+    kept, total = STATE.stats.blocks_kept, STATE.stats.blocks_total
+    outs = llm.generate(list(prompts), list(params), use_tqdm=False)
+    total = STATE.stats.blocks_total - total
+    return outs, (STATE.stats.blocks_kept - kept) / total if total else 1.0
