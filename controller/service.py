@@ -17,6 +17,7 @@ from controller.laws.priority import SequenceState, priorities
 from controller.metrics_merge import merge_families
 
 _STALE_AFTER_S = 30.0
+_ROUTING_FIELDS = ("running", "waiting", "max_num_seqs", "step_s", "remaining")
 
 
 @serve.deployment(name="EntropyController", num_replicas=1, max_ongoing_requests=1000,
@@ -59,6 +60,13 @@ class EntropyController:
     def _live(self) -> list[str]:
         cutoff = time.time() - _STALE_AFTER_S
         return [r for r, t in self._received.items() if t >= cutoff]
+
+    def routing_view(self) -> dict[str, Any]:
+        """What routing needs of each live replica (its load and the remaining work of its running
+        sequences, deployments.routing), with the age of the report it comes from."""
+        now = time.time()
+        return {"replicas": {r: {**{f: self._reports[r].get(f) for f in _ROUTING_FIELDS}, "age_s": now - self._received[r]}
+                             for r in self._live() if r in self._reports}}
 
     def metric_families(self) -> list:
         """Every live replica's families plus the controller's own (labelled replica="controller")."""

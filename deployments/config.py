@@ -134,8 +134,8 @@ class AppConfig(BaseModel):
     pruning_dense_layers: int = Field(0, ge=0, description="first layers that always attend densely (pruned requests too)")
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     request_router: Literal["power_of_two", "soonest_served"] = Field(
-        "power_of_two", description="Serve's default router, or deployments.routing.SoonestServedRouter (experimental: "
-        "a burst of requests sometimes all went to one replica in the test suite)")
+        "soonest_served", description="deployments.routing.SoonestServedRouter (the replica expected to serve a new "
+        "request soonest, from the controller's view) or Serve's default power-of-two router")
     telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
 
     @property

@@ -64,6 +64,22 @@ class OpenAIIngress:
         self.controller = controller
         self.config = AppConfig.model_validate(config)
         self.model_name = self.config.model_name
+        self._view_polls = 0
+        if self.config.request_router == "soonest_served":
+            self._routing_poll = asyncio.get_event_loop().create_task(self._poll_routing_view())
+
+    async def _poll_routing_view(self) -> None:
+        """Every control period: the controller's view of replica loads, for the request router."""
+        from deployments.routing_view import CONTROLLER_VIEW
+
+        while True:
+            await asyncio.sleep(self.config.telemetry_period_s)
+            try:
+                CONTROLLER_VIEW.publish(await asyncio.wait_for(self.controller.routing_view.remote(),
+                                                               timeout=self.config.scheduling.controller_timeout_s))
+                self._view_polls += 1
+            except Exception as exc:  # controller down or late: the router falls back to Serve's stats
+                logger.debug("routing view poll failed: %r", exc)
 
     # --- plain endpoints ------------------------------------------------------------------
     @app.get("/health")
@@ -89,6 +105,10 @@ class OpenAIIngress:
         except Exception as exc:  # e.g. the controller is restarting: say so, serving is unaffected
             return _error(f"metrics are unavailable while the controller is down: {exc!r}", code=503,
                           kind="ServiceUnavailableError")
+        from controller.metrics_merge import merge_families
+        from deployments.routing_view import ROUTING_REGISTRY
+
+        families += merge_families({"ingress": ROUTING_REGISTRY.collect()})
         return Response(render(families), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/requests")
@@ -97,6 +117,14 @@ class OpenAIIngress:
             return JSONResponse(await asyncio.wait_for(self.controller.profiles.remote(), timeout=10))
         except Exception as exc:
             return _error(f"the controller is unavailable: {exc!r}", code=503, kind="ServiceUnavailableError")
+
+    @app.get("/debug/routing")
+    async def debug_routing(self) -> JSONResponse:
+        """This ingress's routing: decisions by source of the load used, and the controller's view."""
+        from deployments.routing_view import CONTROLLER_VIEW, decision_counts
+
+        return JSONResponse({"router": self.config.request_router, "decisions": decision_counts(),
+                             "view_polls": self._view_polls, "view": CONTROLLER_VIEW.snapshot()})
 
     # --- generation -------------------------------------------------------------------------
     @app.post("/v1/chat/completions")

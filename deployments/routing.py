@@ -1,54 +1,85 @@
-"""Ray Serve request router for the worker deployment (Serve's alpha RequestRouter API, ray 2.60).
+"""Ray Serve request router for the worker deployment (Serve's alpha RequestRouter API, ray 2.60),
+and the controller's routing view it reads.
 
-Ranks replicas by ``controller.laws.routing.expected_delay`` from the routing stats each replica
-reports (``EntropicWorker.record_routing_stats``, polled by Serve every
-``request_routing_stats_period_s``) and the requests this router has in flight on each replica
-(``on_send_request`` / ``decrement_queue_len_cache``, which Serve calls for every request).
-Serve keeps managing the replicas (health, queue limits, retries): we only order them.
+The ingress polls the controller's ``routing_view`` every control period and publishes it in its
+process (``deployments.routing_view``); the routers of the ingress's handles read it. That is the shape of
+Ray Serve LLM's own KV-aware router, which reads a tracker its ingress registers in the same process:
+a router cannot hold a handle of its own, and Serve's routing stats (``record_routing_stats``) are
+pushed with replica-set updates, which lagged seconds behind the poll period in our tests, while the
+controller's view is one telemetry period old. When the view is stale (controller down or late) a
+replica is ranked from Serve's stats, and with neither it ranks last.
+
+Replicas are ranked by ``controller.laws.routing.expected_delay``. Serve keeps managing them (health,
+queue limits, retries): we only order them.
 """
 from __future__ import annotations
 
 import random
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from controller.laws.routing import rank
+from deployments import routing_view
+from deployments.routing_view import STALE_AFTER_S
 
-
-STALE_AFTER_S = 2.0
+RESERVE_S = 1.0  # a choice not followed by a send within this is forgotten (Serve tried another replica)
 
 
 def _fresh(stats: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
-    """Stats as of now: a replica's load report older than STALE_AFTER_S is dropped (its capacity and
-    step time are kept). Serve pushes routing stats with replica-set updates, which can lag far
-    behind the poll period; a stale "busy" would otherwise send every request elsewhere."""
+    """Serve's polled stats as of now: a load report older than STALE_AFTER_S is dropped (capacity and
+    step time are kept)."""
     if not stats:
         return None
     if now - stats.get("at", 0.0) > STALE_AFTER_S:
-        return {**stats, "running": 0, "waiting": 0}
+        return {**stats, "running": 0, "waiting": 0, "remaining": []}
     return stats
+
+
+def replica_load(replica: RunningReplica, view: routing_view.ControllerView,
+                 now_wall: float) -> tuple[dict[str, Any] | None, str]:
+    load = view.load(replica.replica_id.unique_id)
+    if load is not None:
+        return load, "controller"
+    stats = _fresh(replica.routing_stats, now_wall)
+    return stats, ("replica_stats" if stats else "none")
 
 
 class SoonestServedRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._ongoing: dict[ReplicaID, int] = defaultdict(int)
+        self._reserved: dict[ReplicaID, deque[float]] = defaultdict(deque)
+
+    def _reservations(self, replica_id: ReplicaID, now: float) -> int:
+        pending = self._reserved[replica_id]
+        while pending and pending[0] < now:
+            pending.popleft()
+        return len(pending)
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         # Shuffled so that equal expected delays split evenly instead of favouring the first replica.
         shuffled = random.sample(candidate_replicas, len(candidate_replicas))
-        now = time.time()
-        ranked = rank([(r, _fresh(r.routing_stats, now), self._ongoing[r.replica_id]) for r in shuffled])
+        now, wall = time.monotonic(), time.time()
+        # Through the module, not a name bound here: Serve pickles this module by value into each
+        # handle's process, so a global of ours would be a copy the ingress never updates.
+        loads = {r.replica_id: replica_load(r, routing_view.CONTROLLER_VIEW, wall) for r in shuffled}
+        ranked = rank([(r, loads[r.replica_id][0], self._ongoing[r.replica_id],
+                        self._reservations(r.replica_id, now)) for r in shuffled])
+        if ranked:
+            self._reserved[ranked[0].replica_id].append(now + RESERVE_S)
+            routing_view.record_decision(loads[ranked[0].replica_id][1])
         return [[replica] for replica in ranked]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         # Serve calls this for every request it sends (on_request_routed only in strict-rejection mode).
         super().on_send_request(replica_id)
         self._ongoing[replica_id] += 1
+        if self._reserved[replica_id]:
+            self._reserved[replica_id].popleft()
 
     def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
         # Serve calls this when a request finishes on a replica, whatever the outcome.

@@ -102,6 +102,10 @@ SERVING = [
         Panel("Telemetry lag (replica to controller)", quantiles("entropic_telemetry_lag_seconds"), "s"),
         Panel("Telemetry reports per second", {"reports": f"sum(rate(entropic_telemetry_reports_total[{RATE}]))"}),
         Panel("Controller loop latency (per report)", quantiles("entropic_controller_loop_seconds"), "s"),
+        Panel("Routing decisions per second, by load source", {
+            "{{source}}": f"sum by (source) (rate(entropic_routing_decisions_total[{RATE}]))"},
+              description="controller: ranked from the controller's view; replica_stats: Serve's polled stats "
+                          "(controller down or late); none: nothing known"),
     ]),
 ]
 

@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from deployments.routing_view import STALE_AFTER_S
+
 
 def _debug(server) -> dict:
     return httpx.get(f"{server}/debug/requests", timeout=10).json()
@@ -53,6 +55,36 @@ def test_cluster_wide_ranking_of_active_sequences(server, client, served_model):
     assert all(a[1] >= b[1] for a, b in zip(ordered, ordered[1:]))  # rank 1 has the highest π
 
 
+def _routing(server) -> dict:
+    return httpx.get(f"{server}/debug/routing", timeout=10).json()
+
+
+def test_a_burst_is_routed_from_the_controllers_view_and_split_evenly(server, client, served_model):
+    """Four requests at once on two idle replicas: the router ranks them from the controller's view
+    (not Serve's polled stats) and its reservations split the burst 2/2."""
+    deadline = time.time() + 30
+    while len(_routing(server)["view"]["replicas"]) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    before = _routing(server)["decisions"].get("controller", 0)
+    earlier = {k for report in _debug(server).values() for k in report.get("sequences", {})}
+
+    def one(i: int) -> int:
+        out = client.completions.create(model=served_model, prompt=f"Recipe {i}:", max_tokens=60, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        return out.usage.completion_tokens
+
+    seen: dict[str, set] = {}
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(4)]
+        while not all(f.done() for f in futures):
+            for replica, report in _debug(server).items():
+                seen.setdefault(replica, set()).update(set(report.get("sequences", {})) - earlier)
+            time.sleep(0.05)
+        assert [f.result() for f in futures] == [60] * 4
+    assert sorted(len(keys) for keys in seen.values()) == [2, 2], seen
+    assert _routing(server)["decisions"]["controller"] - before >= 4
+
+
 @pytest.mark.disruptive
 def test_serving_continues_through_a_controller_kill_and_restart(server, client, served_model):
     import ray
@@ -66,18 +98,28 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
                                            stream=True, extra_body={"ignore_eos": True})
         return sum(len(c.choices[0].model_extra["entropic"]["entropy"]) for c in chunks if c.choices)
 
-    with cf.ThreadPoolExecutor(6) as pool:
+    with cf.ThreadPoolExecutor(7) as pool:  # six streams and one request while the controller is down
         futures = [pool.submit(stream, i) for i in range(6)]
         time.sleep(1.0)
+        fallback_before = _routing(server)["decisions"].get("replica_stats", 0)
         ray.kill(controller, no_restart=True)
+        # Once the controller's view is stale, the router ranks replicas from Serve's polled stats.
+        deadline = time.time() + 30
+        while (_routing(server)["view"]["polled_s_ago"] or 0) <= STALE_AFTER_S:
+            assert time.time() < deadline, "the routing view never went stale after the controller was killed"
+            time.sleep(0.1)
+        meanwhile = pool.submit(lambda: client.completions.create(model=served_model, prompt="Meanwhile,",
+                                                                  max_tokens=5).usage.completion_tokens)
         tokens = [f.result(timeout=300) for f in futures]
+        assert meanwhile.result(timeout=300) == 5
     assert tokens == [60] * 6  # no request lost or cut short
+    assert _routing(server)["decisions"]["replica_stats"] > fallback_before
 
     # Serve starts a new controller replica; telemetry and the merged metrics come back.
     deadline = time.time() + 120
     while time.time() < deadline:
         response = httpx.get(f"{server}/metrics", timeout=10)
-        if response.status_code == 200 and len(set(re.findall(r'replica="([^"]+)"', response.text)) - {"controller"}) == 2:
+        if response.status_code == 200 and len(set(re.findall(r'replica="([^"]+)"', response.text)) - {"controller", "ingress"}) == 2:
             break
         time.sleep(1)
     else:

@@ -71,6 +71,7 @@ class EntropicWorker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._controller = controller
         self._active: dict[str, dict[str, Any]] = {}
+        self._reported_active = False
         self._control = asyncio.get_event_loop().create_task(self._control_loop())
 
     async def generate(self, kind: str, request: Any, control_overrides: dict[str, Any] | None) -> AsyncIterator[Any]:
@@ -143,11 +144,16 @@ class EntropicWorker:
             "routing_stats_polls": self._routing_polls,
             "leases": self.grants.leases() if self.grants is not None else None}
         report["running"], report["waiting"] = self.runner.scheduler_counts()
+        # For routing (controller.laws.routing): how soon this replica's slots free up.
+        cap = self.scheduling.remaining_cap_tokens
+        report.update(max_num_seqs=self.config.engine.max_num_seqs, step_s=self.metrics.recent_step_s,
+                      remaining=[min(s.remaining_tokens, cap) for k, s in states.items() if active[k].generated])
         if now >= next_metrics:
             report["metrics"] = snapshot()
             next_metrics = now + _METRICS_PERIOD_S
-        elif not active:
-            return next_metrics
+        elif not active and not self._reported_active:
+            return next_metrics  # idle and already said so: the once-a-second metrics report keeps it live
+        self._reported_active = bool(active)
         answer = None
         if self._controller is not None:
             try:  # the controller is advisory: a slow or missing one never stalls serving

@@ -1,0 +1,58 @@
+"""The controller's routing view as seen in the ingress process, and the router's decision counts.
+
+Its own module because Serve pickles the request router's module by value into every process that
+holds a handle (ray.serve.config.RequestRouterConfig): state kept there would be a private copy per
+router. This module is imported by reference, so the ingress (writer) and the routers of its
+handles (readers) share one view.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+STALE_AFTER_S = 2.0  # a load older than this is not a load: replicas report at least once a second
+
+ROUTING_REGISTRY = CollectorRegistry(auto_describe=False)
+_DECISIONS = Counter("entropic_routing_decisions", "Requests routed, by where the chosen replica's load came from "
+                    "(controller, replica_stats: Serve's polled stats, none: nothing known)",
+                    ["source"], registry=ROUTING_REGISTRY)
+
+
+class ControllerView:
+    """The controller's latest per-replica loads, as seen in this process.
+
+    Ages are measured with this process's monotonic clock plus the age the controller reported, so
+    clocks of different nodes never need to agree."""
+
+    def __init__(self) -> None:
+        self._loads: dict[str, dict[str, Any]] = {}
+        self._polled = 0.0
+
+    def publish(self, view: dict[str, Any], now: float | None = None) -> None:
+        self._loads = dict(view.get("replicas", {}))
+        self._polled = time.monotonic() if now is None else now
+
+    def load(self, replica: str, now: float | None = None) -> dict[str, Any] | None:
+        entry = self._loads.get(replica)
+        if entry is None:
+            return None
+        now = time.monotonic() if now is None else now
+        return entry if (now - self._polled) + entry.get("age_s", 0.0) <= STALE_AFTER_S else None
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        return {"polled_s_ago": now - self._polled if self._polled else None, "replicas": self._loads}
+
+
+CONTROLLER_VIEW = ControllerView()
+
+
+def record_decision(source: str) -> None:
+    _DECISIONS.labels(source=source).inc()
+
+
+def decision_counts() -> dict[str, float]:
+    return {s.labels["source"]: s.value for m in ROUTING_REGISTRY.collect() for s in m.samples
+            if s.name.endswith("_total")}
