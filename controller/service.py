@@ -2,8 +2,9 @@
 
 Replicas stream telemetry here at the control period (``report``): the entropy profile of
 each active request and, once a second, their metric families. The ingress reads the
-merged metrics from here for /metrics and the profiles for /debug/requests. Scheduling
-decisions (π(s), decode grants) are built on this intake.
+merged metrics from here for /metrics and the profiles for /debug/requests, and the routing view
+for its request router. The answer to a report carries the scheduling decisions for that replica's
+sequences: π(s) and, with ``scheduling.grant_slots`` set, the decode-step leases to renew.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray import serve
 
+from controller.laws.grants import to_renew
 from controller.laws.priority import SequenceState, priorities
 from controller.metrics_merge import merge_families
 
@@ -28,6 +30,7 @@ class EntropyController:
 
         self._scheduling = AppConfig.model_validate(config or {}).scheduling
         self._weights = self._scheduling.weights()
+        self._grant_policy = self._scheduling.grant_policy() if self._scheduling.grant_slots else None
         self._reports: dict[str, dict[str, Any]] = {}
         self._received: dict[str, float] = {}
         self._metrics: dict[str, list] = {}
@@ -40,7 +43,8 @@ class EntropyController:
                                      registry=self._registry)
 
     def report(self, replica_id: str, report: dict[str, Any]) -> dict[str, Any]:
-        """Take one replica's telemetry; answer with π for each of its sequences."""
+        """Take one replica's telemetry; answer with π for each of its sequences and, with decode-step
+        grants on, which of them get their lease renewed this period."""
         started = time.perf_counter()
         now = time.time()
         self._received[replica_id] = now
@@ -53,9 +57,12 @@ class EntropyController:
         states = {k: SequenceState(**{**s, "waited_s": s["waited_s"] + report["lag_s"]})
                   for k, s in report.get("sequences", {}).items()}
         report["priorities"] = priorities(states, self._weights)
+        answer = {"priorities": report["priorities"]}
+        if self._grant_policy is not None:
+            answer["granted"] = report["granted"] = to_renew(report["priorities"], self._grant_policy)
         self._reports[replica_id] = report
         self._loop.observe(time.perf_counter() - started)
-        return {"priorities": report["priorities"]}
+        return answer
 
     def _live(self) -> list[str]:
         cutoff = time.time() - _STALE_AFTER_S

@@ -1,7 +1,7 @@
 """Decode-step grant bookkeeping (pure)."""
 import pytest
 
-from controller.laws.grants import GrantPolicy, renew, runnable, spend
+from controller.laws.grants import GrantPolicy, renew, runnable, spend, to_renew
 
 
 def test_top_slots_are_renewed_and_others_keep_their_lease():
@@ -35,3 +35,14 @@ def test_invalid_policy_rejected():
         GrantPolicy(slots=0)
     with pytest.raises(ValueError):
         GrantPolicy(lease_steps=0)
+
+
+def test_a_grant_decision_made_elsewhere_renews_exactly_those_leases():
+    """The controller decides (to_renew over its π); the replica applies it to the leases it holds."""
+    policy = GrantPolicy(slots=1, lease_steps=4)
+    pis = {"a": 1.0, "b": 3.0, "c": 2.0}
+    assert to_renew(pis, policy) == ["b"]
+    assert to_renew(pis, GrantPolicy(slots=2)) == ["b", "c"]
+    leases = renew(pis, {"a": 2, "b": 0, "c": 1}, policy, granted=["c", "gone"])
+    assert leases == {"a": 2, "b": 0, "c": 4}  # a key the replica no longer has is ignored
+    assert renew(pis, {"a": 2}, policy) == renew(pis, {"a": 2}, policy, granted=to_renew(pis, policy))

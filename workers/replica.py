@@ -167,8 +167,9 @@ class EntropicWorker:
             chosen = {k: (remote[k], "controller") if k in remote else (pi, "local") for k, pi in local.items()}
             self._priorities = chosen
             self.board.publish({k: pi for k, (pi, _) in chosen.items()})
-            if self.grants is not None:  # leases follow the π in force: the controller's when it answered
-                self.grants.renew({k: pi for k, (pi, _) in chosen.items()})
+            if self.grants is not None:  # the controller's grant decision when it answered, else the local one
+                granted = answer.get("granted") if isinstance(answer, dict) else None
+                self.grants.renew({k: pi for k, (pi, _) in chosen.items()}, granted)
             self.metrics.observe_priorities(chosen.values())
             self.metrics.observe_grants(self.grants.renewals if self.grants is not None else 0,
                                         self.runner.scheduler.withheld_steps)

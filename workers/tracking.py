@@ -78,10 +78,12 @@ class GrantBoard:
         self._leases: dict[str, int] = {}
         self.renewals = 0
 
-    def renew(self, priorities: dict[str, float]) -> None:
+    def renew(self, priorities: dict[str, float], granted: list[str] | None = None) -> None:
+        """One control period: renew the leases the controller granted (``granted``), or, without its
+        answer, the top ones by the π in force."""
         with self._lock:
             before = self._leases
-            self._leases = renew(priorities, before, self.policy)
+            self._leases = renew(priorities, before, self.policy, granted)
             self.renewals += sum(1 for k, v in self._leases.items() if v == self.policy.lease_steps
                                  and before.get(k) != v)
 

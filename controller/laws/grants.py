@@ -27,13 +27,21 @@ class GrantPolicy:
             raise ValueError("lease_steps must be at least 1")
 
 
-def renew(priorities: dict[str, float], leases: dict[str, int], policy: GrantPolicy) -> dict[str, int]:
-    """Leases after one control period: top-``slots`` by π renewed, the rest as they were."""
+def to_renew(priorities: dict[str, float], policy: GrantPolicy) -> list[str]:
+    """The grant decision of one control period (the controller's, or a replica's when it falls back):
+    the top-``slots`` sequences by π."""
     ranked = sorted(priorities, key=lambda k: priorities[k], reverse=True)
-    top = ranked if policy.slots is None else ranked[: policy.slots]
+    return ranked if policy.slots is None else ranked[: policy.slots]
+
+
+def renew(priorities: dict[str, float], leases: dict[str, int], policy: GrantPolicy,
+          granted: list[str] | None = None) -> dict[str, int]:
+    """Leases after one control period: ``granted`` (default: ``to_renew``) renewed, the rest as they
+    were; sequences no longer listed in ``priorities`` (finished) dropped."""
     out = {k: leases.get(k, 0) for k in priorities}
-    for key in top:
-        out[key] = policy.lease_steps
+    for key in to_renew(priorities, policy) if granted is None else granted:
+        if key in out:
+            out[key] = policy.lease_steps
     return out
 
 
