@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(run_trace(base, warm))
                 before = _served_split(base)
                 x = asyncio.run(run_trace(base, jobs))
+                time.sleep(2.0)  # replicas send their metrics to the controller once a second
                 after = _served_split(base)
                 x["split"] = sorted(after.get(k, 0.0) - before.get(k, 0.0) for k in after)
                 results[router].append(x)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from controller.laws.priority import priorities
-from workers.tracking import PriorityBoard, SequenceTrack
+from workers.tracking import GrantBoard, PriorityBoard, SequenceTrack
 
 FILLER = ("The committee met on a grey morning to review the harbour accounts, the repairs to the north pier "
           "and the schedule of the autumn ferries. ")
@@ -67,6 +67,8 @@ def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> d
     from workers.sampling import EXTRA_ARGS_KEY
 
     control = SamplingControl(enabled=False)
+    scheduler = pi_control["scheduler"] if pi_control else None
+    counted = (scheduler.priority_preemptions, scheduler.withheld_steps) if scheduler else (0, 0)  # cumulative
     pending = list(jobs)
     start = time.monotonic()
     first: dict[str, float] = {}
@@ -95,7 +97,10 @@ def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> d
             mono = time.monotonic()
             states = {k: t.state(mono, pi_control["prior_drop"], pi_control["block_size"])
                       for k, t in tracks.items() if k not in done}
-            pi_control["board"].publish(priorities(states, pi_control["weights"]))
+            pis = priorities(states, pi_control["weights"])
+            pi_control["board"].publish(pis)
+            if pi_control["grants"] is not None:
+                pi_control["grants"].renew(pis)
             next_control = now + pi_control["period"]
         for out in engine.step():
             t_out = time.monotonic() - start
@@ -122,7 +127,8 @@ def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> d
             "mean_ttft_s": st.mean(ttft.values()), "goodput_rps": good / wall, "within_slo": good / len(jobs),
             "per_class_mean_e2e_s": {k: st.mean(e2e[j.rid] for j in jobs if j.kind == k)
                                      for k in CLASSES if any(j.kind == k for j in jobs)},
-            "preemptions": pi_control["scheduler"].priority_preemptions if pi_control else 0,
+            "preemptions": scheduler.priority_preemptions - counted[0] if scheduler else 0,
+            "withheld_steps": scheduler.withheld_steps - counted[1] if scheduler else 0,
             "tokens": tokens}
 
 
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="enable priority preemption with this π ratio (default: the config's, off)")
     parser.add_argument("--alpha", type=float, default=None, help="override scheduling.alpha")
     parser.add_argument("--delta", type=float, default=None, help="override scheduling.delta (remaining-work weight; 0: the paper's π)")
+    parser.add_argument("--grant-slots", type=int, default=None,
+                        help="decode-step grants for the π policy: leases for this many sequences per control period")
     parser.add_argument("--out", default="docs/benchmarks/scheduling")
     args = parser.parse_args(argv)
 
@@ -175,12 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         **common, logits_processors=[EntropicLogitsProcessor], scheduling_policy="priority",
         scheduler_cls="workers.scheduler.EntropicScheduler"))
     overrides = {k: v for k, v in (("preempt_margin", args.preempt_margin), ("alpha", args.alpha),
-                                   ("delta", args.delta)) if v is not None}
+                                   ("delta", args.delta), ("grant_slots", args.grant_slots)) if v is not None}
     scheduling = SchedulingConfig(**overrides)
     scheduler = ours.engine_core.engine_core.scheduler
     scheduler.board = PriorityBoard()
+    scheduler.grants = GrantBoard(scheduling.grant_policy()) if scheduling.grant_slots else None
     scheduler.preempt_margin = scheduling.preempt_margin
-    pi_control = {"board": scheduler.board, "scheduler": scheduler, "weights": scheduling.weights(),
+    pi_control = {"board": scheduler.board, "grants": scheduler.grants, "scheduler": scheduler, "weights": scheduling.weights(),
                   "prior_drop": scheduling.prior_drop, "drop_ewma": scheduling.drop_ewma, "period": 0.05,
                   "block_size": ours.vllm_config.cache_config.block_size,
                   "processor": find_logits_processor(ours, EntropicLogitsProcessor)}
@@ -202,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
 
     same = [sum(a["tokens"][k] == b["tokens"][k] for k in a["tokens"]) / len(a["tokens"])
             for a, b in zip(results["fcfs"], results["pi"])]
-    keys = ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps", "within_slo", "wall_s", "preemptions")
+    keys = ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps", "within_slo", "wall_s", "preemptions",
+            "withheld_steps")
     summary = {n: {k: st.median(x[k] for x in results[n]) for k in keys} for n in results}
     for n in results:
         summary[n]["per_class_mean_e2e_s"] = {c: st.median(x["per_class_mean_e2e_s"][c] for x in results[n])
@@ -237,7 +247,8 @@ def _markdown(result: dict) -> str:
     if "scheduling" in result:
         w = result["scheduling"]
         lines += ["", f"π weights: α {w['alpha']}, β {w['beta']}, γ {w['gamma']}, δ (remaining work) "
-                  f"{w.get('delta', 0.0)}, aging {w['aging_s']} s, priority preemption margin {w['preempt_margin']}."]
+                  f"{w.get('delta', 0.0)}, aging {w['aging_s']} s, priority preemption margin {w['preempt_margin']}, "
+                  f"decode-step grant slots {w.get('grant_slots')} (lease {w.get('grant_lease_steps')} steps)."]
     lines += ["", f"π / FCFS: mean e2e {ratio['mean_e2e_s']:.3f}, p99 e2e {ratio['p99_e2e_s']:.3f}, "
               f"mean TTFT {ratio['mean_ttft_s']:.3f}, goodput {ratio['goodput_rps']:.3f}.", "",
               "Per class mean e2e (s): " + "; ".join(

@@ -127,3 +127,13 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
     assert _local_priority_count(server) > local_before  # replicas fell back to local π meanwhile
     out = client.completions.create(model=served_model, prompt="After the restart,", max_tokens=5)
     assert out.usage.completion_tokens == 5
+    # The new controller's state is rebuilt from the replicas' reports alone: both replicas and the
+    # routing view are back, and routing uses the controller again.
+    assert len(_debug(server)) == 2
+    deadline = time.time() + 30
+    while (view := _routing(server)["view"])["polled_s_ago"] > 1.0 or len(view["replicas"]) < 2:
+        assert time.time() < deadline, "the routing view did not come back after the controller restart"
+        time.sleep(0.2)
+    via_controller = _routing(server)["decisions"].get("controller", 0)
+    client.completions.create(model=served_model, prompt="And then", max_tokens=3)
+    assert _routing(server)["decisions"]["controller"] > via_controller
