@@ -19,7 +19,7 @@ from controller.laws.priority import SequenceState, priorities
 from controller.metrics_merge import merge_families
 
 _STALE_AFTER_S = 30.0
-_ROUTING_FIELDS = ("running", "waiting", "max_num_seqs", "step_s", "remaining")
+_ROUTING_FIELDS = ("running", "waiting", "max_num_seqs", "step_s", "unit_step_s", "remaining")
 
 
 @serve.deployment(name="EntropyController", num_replicas=1, max_ongoing_requests=1000,

@@ -3,46 +3,54 @@ import time
 
 import httpx
 
-from controller.laws.routing import expected_wait_s, rank, routing_key
+from controller.laws.routing import batch_factor, expected_delay, rank, unit_step_s
 
 
-def test_wait_is_zero_while_a_slot_is_free_and_grows_with_load_and_step_time():
-    idle = {"running": 0, "waiting": 0, "max_num_seqs": 4, "step_s": 0.1}
-    busy = {"running": 4, "waiting": 3, "max_num_seqs": 4, "step_s": 0.1}
-    slow = {**busy, "step_s": 0.3}
-    assert expected_wait_s(idle, 3) == 0.0
-    assert 0.0 < expected_wait_s(busy, 7) < expected_wait_s(slow, 7)
-    assert routing_key(idle) < routing_key(idle, ongoing=2) < routing_key(busy)
-    assert routing_key(busy, ongoing=2) == routing_key(busy)  # the report already covers them
+def test_delay_grows_with_load_and_step_time():
+    idle = {"running": 0, "waiting": 0, "max_num_seqs": 4, "unit_step_s": 0.1}
+    busy = {"running": 4, "waiting": 3, "max_num_seqs": 4, "unit_step_s": 0.1}
+    slow = {**busy, "unit_step_s": 0.3}
+    assert expected_delay(idle) == 0.1 * batch_factor(1, 4)  # one step, in a batch of one
+    assert expected_delay(idle) < expected_delay(idle, ongoing=2) < expected_delay(busy) < expected_delay(slow)
+    assert expected_delay(busy, ongoing=2) == expected_delay(busy)  # the report already covers them
+
+
+def test_unit_step_time_is_derived_when_a_replica_does_not_report_it():
+    # Serve's polled stats from an older replica: step_s measured at a batch of 2 of 4.
+    assert unit_step_s({"running": 2, "max_num_seqs": 4, "step_s": 0.15}) == 0.15 / batch_factor(2, 4)
+    assert unit_step_s({"running": 2, "max_num_seqs": 4, "step_s": 0.15, "unit_step_s": 0.07}) == 0.07
 
 
 def test_the_wait_follows_the_remaining_work_the_controller_knows():
     # A: full, every running sequence far from done. B: full with a longer queue, but its sequences
     # finish within a few steps. Counting requests alone would pick A; B serves a new request first.
-    a = {"running": 4, "waiting": 0, "max_num_seqs": 4, "step_s": 0.1, "remaining": [400, 450, 500, 512]}
-    b = {"running": 4, "waiting": 2, "max_num_seqs": 4, "step_s": 0.1, "remaining": [3, 5, 8, 9]}
-    assert expected_wait_s(a, 4) == 0.1 * 400
-    assert expected_wait_s(b, 6) == 0.1 * 8  # its place is the third slot to free
+    a = {"running": 4, "waiting": 0, "max_num_seqs": 4, "unit_step_s": 0.05, "remaining": [400, 450, 500, 512]}
+    b = {"running": 4, "waiting": 2, "max_num_seqs": 4, "unit_step_s": 0.05, "remaining": [3, 5, 8, 9]}
+    full_step = 0.05 * batch_factor(4, 4)
+    assert expected_delay(a) == full_step * 400 + full_step
+    assert expected_delay(b) == full_step * 8 + full_step  # its place is the third slot to free
     assert rank([("a", a, 0, 0), ("b", b, 0, 0)]) == ["b", "a"]
     a_counts_only = {k: v for k, v in a.items() if k != "remaining"}
     b_counts_only = {k: v for k, v in b.items() if k != "remaining"}
     assert rank([("a", a_counts_only, 0, 0), ("b", b_counts_only, 0, 0)]) == ["a", "b"]
     # Beyond one wave of slots, each further place costs the mean remaining over the slots.
-    assert expected_wait_s(b, 9) == 0.1 * (9 + (25 / 4) * 2 / 4)
+    assert expected_delay(b, reserved=3) == full_step * (9 + (25 / 4) * 2 / 4) + full_step
 
 
-def test_recent_step_time_does_not_outweigh_load_among_free_replicas():
-    # Identical replicas: A's last steps were cheap because its batch was small. It must not take
-    # a second request while B is empty.
-    a = {"running": 1, "waiting": 0, "max_num_seqs": 16, "step_s": 0.03}
-    b = {"running": 0, "waiting": 0, "max_num_seqs": 16, "step_s": 0.09}
-    assert rank([("a", a, 0, 0), ("b", b, 0, 0)]) == ["b", "a"]
-    assert rank([("a", a, 0, 0), ("b", {**b, "running": 1}, 0, 0)]) == ["a", "b"]  # equal load: faster first
+def test_speed_and_load_trade_off_among_replicas_with_free_slots():
+    same_speed = {"max_num_seqs": 16, "waiting": 0, "unit_step_s": 0.03}
+    # Identical replicas: the emptier one, whatever their last steps cost.
+    assert rank([("a", {**same_speed, "running": 1, "step_s": 0.02}, 0, 0),
+                 ("b", {**same_speed, "running": 0, "step_s": 0.09}, 0, 0)]) == ["b", "a"]
+    # A replica 1.5x faster takes a request even with one more sequence, not with twelve more.
+    fast = {"max_num_seqs": 16, "waiting": 0, "unit_step_s": 0.02}
+    assert rank([("a", {**fast, "running": 1}, 0, 0), ("b", {**same_speed, "running": 0}, 0, 0)]) == ["a", "b"]
+    assert rank([("a", {**fast, "running": 12}, 0, 0), ("b", {**same_speed, "running": 0}, 0, 0)]) == ["b", "a"]
 
 
 def test_reservations_split_a_burst_evenly():
     """A burst is routed before any of it is sent or reported: each choice reserves its replica."""
-    idle = {"running": 0, "waiting": 0, "max_num_seqs": 16, "step_s": 0.05}
+    idle = {"running": 0, "waiting": 0, "max_num_seqs": 16, "unit_step_s": 0.05}
     reserved = {"a": 0, "b": 0}
     for _ in range(6):
         top = rank([(r, idle, 0, reserved[r]) for r in ("a", "b")])[0]

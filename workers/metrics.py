@@ -8,6 +8,8 @@ the whole registry to the controller, and the ingress serves the merged view at 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 from prometheus_client import REGISTRY, Counter, Histogram
 
@@ -20,7 +22,9 @@ _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.
 
 
 class ReplicaMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_num_seqs: int = 1) -> None:
+        self.max_num_seqs = max_num_seqs
+        self._unit_steps: deque[float] = deque(maxlen=64)
         def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
             return Histogram(name, documentation, ["model_name"], buckets=buckets).labels(model_name)
 
@@ -73,8 +77,19 @@ class ReplicaMetrics:
 
     recent_step_s = 0.0  # EWMA of engine step time, for routing
 
+    @property
+    def recent_unit_step_s(self) -> float:
+        """Step time normalized to an empty batch (controller.laws.routing.batch_factor), median of the
+        last steps: a median, because a long prompt's prefill steps take seconds and would otherwise
+        make a replica look slow for the next dozens of decode steps."""
+        return statistics.median(self._unit_steps) if self._unit_steps else 0.0
+
     def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list) -> None:
-        self.recent_step_s = step_seconds if not self.recent_step_s else 0.9 * self.recent_step_s + 0.1 * step_seconds
+        from controller.laws.priority import ewma
+        from controller.laws.routing import batch_factor
+
+        self.recent_step_s = ewma(self.recent_step_s or None, step_seconds, 0.1)
+        self._unit_steps.append(step_seconds / batch_factor(len(deltas), self.max_num_seqs))
         self._step.observe(step_seconds)
         self._estimator.observe(estimator_seconds)
         for delta in deltas:

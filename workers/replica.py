@@ -42,7 +42,7 @@ class EntropicWorker:
         from workers.model_store import resolve_model
 
         model_path = str(resolve_model(self.config.model))
-        self.metrics = ReplicaMetrics(self.config.model_name)
+        self.metrics = ReplicaMetrics(self.config.model_name, self.config.engine.max_num_seqs)
         engine_kwargs = self.config.engine.engine_kwargs(model_path, self.config.model_name,
                                                          on_gpu=self.config.num_gpus_per_replica > 0,
                                                          pruning=self.config.pruning.enabled)
@@ -115,7 +115,8 @@ class EntropicWorker:
         running, waiting = self.runner.scheduler_counts()
         self._routing_polls += 1
         return {"at": time.time(), "running": running, "waiting": waiting,
-                "max_num_seqs": self.config.engine.max_num_seqs, "step_s": self.metrics.recent_step_s}
+                "max_num_seqs": self.config.engine.max_num_seqs, "step_s": self.metrics.recent_step_s,
+                "unit_step_s": self.metrics.recent_unit_step_s}
 
     async def check_health(self) -> None:
         if not self.runner.alive:
@@ -147,6 +148,7 @@ class EntropicWorker:
         # For routing (controller.laws.routing): how soon this replica's slots free up.
         cap = self.scheduling.remaining_cap_tokens
         report.update(max_num_seqs=self.config.engine.max_num_seqs, step_s=self.metrics.recent_step_s,
+                      unit_step_s=self.metrics.recent_unit_step_s,
                       remaining=[min(s.remaining_tokens, cap) for k, s in states.items() if active[k].generated])
         if now >= next_metrics:
             report["metrics"] = snapshot()

@@ -6,22 +6,24 @@ stats Serve polls from each replica: ``running``, ``waiting``, ``max_num_seqs``,
 engine step time) and, from the controller only, ``remaining``: the decode tokens each running
 sequence may still generate (max_tokens minus generated, capped like π's R_s).
 
+Step time grows with the batch, so a recent step time says as much about how full the batch was
+as about how fast the replica is. Replicas therefore also report ``unit_step_s``: their step time
+normalized to an empty batch, step_s / g(batch) with g(b) = 1 + b / max_num_seqs (``batch_factor``;
+a linear shape assumed for every replica alike, so it cancels between identical replicas and keeps
+real speed differences). A replica's step time at batch b is then unit_step_s · g(b).
+
 A new request there has ``ahead`` = max(ongoing, running + waiting) + reserved sequences before it:
 ``ongoing`` is what this router has sent there and not yet seen finish (exact and immediate, the
 report lags a control period), ``reserved`` what it has just chosen it for and not yet sent (a
 burst is routed concurrently: without them every request of the burst sees the same empty
-replica). Replicas are ranked by
+replica). Expected delay, in seconds, until it has its first tokens:
 
-1. the expected wait for a slot, in seconds: 0 while a slot is free (ahead < max_num_seqs: it is
-   admitted at the next step); otherwise it waits for the k-th slot to free, k = ahead −
-   max_num_seqs + 1. With the remaining work of the running sequences known that is step_s times
-   the k-th smallest remaining count (beyond one wave, each further place costs the mean remaining
-   over the slots); without it, ahead / max_num_seqs steps, a load proxy;
-2. then the load fraction ahead / max_num_seqs: among replicas with free slots the emptier batch
-   decodes faster. Not step_s times it: step_s is the recent step time, which on identical
-   replicas says how full the batch just was, not how fast the replica is, and would send a
-   whole burst to the replica whose last steps happened to be cheapest;
-3. then step_s, the faster replica.
+* while a slot is free (ahead < max_num_seqs) no wait; otherwise the wait for the k-th slot to
+  free, k = ahead − max_num_seqs + 1: with the remaining work of the running sequences known, the
+  k-th smallest remaining count in full-batch steps (beyond one wave, each further place costs the
+  mean remaining over the slots); without it, one full-batch step per ahead / max_num_seqs;
+* plus one step at the batch it joins, unit_step_s · g(min(ahead + 1, max_num_seqs)): among
+  replicas with free slots the emptier and the faster one wins, and the two trade off.
 
 Replicas with no load known rank last, in the order given (the caller shuffles).
 """
@@ -41,27 +43,36 @@ def _slot_wait_steps(place: int, capacity: int, remaining: Sequence[float]) -> f
     return ordered[-1] + mean * (place - len(ordered)) / capacity
 
 
+def batch_factor(batch: float, capacity: int) -> float:
+    return 1.0 + max(0.0, batch) / max(1, capacity)
+
+
+def unit_step_s(stats: dict[str, Any]) -> float:
+    """The replica's step time normalized to an empty batch (reported, or derived from step_s and running)."""
+    capacity = max(1, int(stats.get("max_num_seqs", 1)))
+    unit = stats.get("unit_step_s")
+    if not unit:
+        unit = float(stats.get("step_s", 0.0)) / batch_factor(int(stats.get("running", 0)), capacity)
+    return max(float(unit), 1e-4)
+
+
 def ahead_of(stats: dict[str, Any], ongoing: int = 0, reserved: int = 0) -> int:
     return max(ongoing, int(stats.get("running", 0)) + int(stats.get("waiting", 0))) + reserved
 
 
-def expected_wait_s(stats: dict[str, Any], ahead: int) -> float:
-    """Seconds until a slot frees for a request with ``ahead`` sequences before it."""
+def expected_delay(stats: dict[str, Any], ongoing: int = 0, reserved: int = 0) -> float:
     capacity = max(1, int(stats.get("max_num_seqs", 1)))
-    if ahead < capacity:
-        return 0.0
-    step = max(float(stats.get("step_s", 0.0)), 1e-3)
-    return step * _slot_wait_steps(ahead - capacity + 1, capacity, stats.get("remaining") or ())
-
-
-def routing_key(stats: dict[str, Any], ongoing: int = 0, reserved: int = 0) -> tuple[float, float, float]:
+    unit = unit_step_s(stats)
     ahead = ahead_of(stats, ongoing, reserved)
-    capacity = max(1, int(stats.get("max_num_seqs", 1)))
-    return expected_wait_s(stats, ahead), ahead / capacity, float(stats.get("step_s", 0.0))
+    wait = 0.0
+    if ahead >= capacity:
+        full_step = unit * batch_factor(capacity, capacity)
+        wait = full_step * _slot_wait_steps(ahead - capacity + 1, capacity, stats.get("remaining") or ())
+    return wait + unit * batch_factor(min(ahead + 1, capacity), capacity)
 
 
 def rank(candidates: Sequence[tuple[Hashable, dict[str, Any] | None, int, int]]) -> list[Hashable]:
     """Candidate ids, soonest first: (id, load or None, ongoing, reserved) each."""
-    known = [(routing_key(s, n, r), i, c) for i, (c, s, n, r) in enumerate(candidates) if s]
+    known = [(expected_delay(s, n, r), i, c) for i, (c, s, n, r) in enumerate(candidates) if s]
     unknown = [c for c, s, _, _ in candidates if not s]
     return [c for _, _, c in sorted(known, key=lambda x: (x[0], x[1]))] + unknown
