@@ -136,7 +136,7 @@ class AppConfig(BaseModel):
     request_router: Literal["power_of_two", "soonest_served"] = Field(
         "power_of_two", description="Serve's default power-of-two router, or deployments.routing.SoonestServedRouter "
         "(the replica expected to serve a new request soonest, from the controller's view). Measured on two CPU "
-        "replicas (docs/benchmarks/routing.md): soonest_served mean latency 1.19x, goodput 0.71x power_of_two")
+        "replicas (docs/benchmarks/routing-speed-aware.md): soonest_served mean latency 1.13x, goodput 0.79x power_of_two")
     telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
 
     @property
