@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=4, help="per replica")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fcfs", action="store_true",
+                        help="replicas schedule first come first served (scheduling.enabled false) instead of by π")
     parser.add_argument("--out", default="docs/benchmarks/routing")
     args = parser.parse_args(argv)
 
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base_config = {"num_replicas": 2, "num_cpus_per_replica": 1,
                    "engine": {"max_model_len": 4096, "max_num_seqs": args.max_num_seqs, "cpu_threads": 1,
-                              "kv_cache_space_gib": 1}}
+                              "kv_cache_space_gib": 1},
+                   "scheduling": {"enabled": not args.fcfs}}
     jobs = make_trace(args.requests, args.rate, args.seed)
     warm = make_trace(4, 100.0, 99)
     results: dict[str, list[dict]] = {r: [] for r in ROUTERS}
@@ -173,7 +176,8 @@ def _markdown(result: dict) -> str:
         f"Command: `{result['command']}` (run {result['date']})", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
         f"vllm {m['vllm']}. Ray Serve on this machine: two worker replicas (1 engine thread each, "
-        f"max_num_seqs {s['max_num_seqs']}), controller, HTTP ingress; requests over HTTP (streamed).", "",
+        f"max_num_seqs {s['max_num_seqs']}, {'FCFS' if s.get('fcfs') else 'π'} scheduling), controller, HTTP "
+        "ingress; requests over HTTP (streamed).", "",
         f"{s['requests']} requests at {s['rate']} req/s (seed {s['seed']}); classes (share, SLO s, max tokens): "
         + ", ".join(f"{k} {v[0]}/{v[1]}/{v[2]}" for k, v in result["classes"].items())
         + f". Fresh replicas per run; medians over {s['rounds']} rounds (order alternated). Identical greedy output "
