@@ -69,11 +69,11 @@ class OpenAIIngress:
             self._routing_poll = asyncio.get_event_loop().create_task(self._poll_routing_view())
 
     async def _poll_routing_view(self) -> None:
-        """Every control period: the controller's view of replica loads, for the request router."""
+        """Every routing_view_period_s: the controller's view of replica loads, for the request router."""
         from deployments.routing_view import CONTROLLER_VIEW
 
         while True:
-            await asyncio.sleep(self.config.telemetry_period_s)
+            await asyncio.sleep(self.config.routing_view_period_s)
             try:
                 CONTROLLER_VIEW.publish(await asyncio.wait_for(self.controller.routing_view.remote(),
                                                                timeout=self.config.scheduling.controller_timeout_s))
