@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
-import statistics as st
 import sys
 import time
 
-from loadtest.bench_scheduling import CLASSES, Job, make_trace
+from loadtest.bench_scheduling import CLASSES, Job, latency_stats, make_trace, median_summary
 
 ROUTERS = ("power_of_two", "soonest_served")
 
@@ -60,12 +59,7 @@ async def run_trace(base: str, jobs: list[Job]) -> dict:
         start = time.monotonic()
         rows = await asyncio.gather(*(_one(client, model, j, start) for j in jobs))
         wall = time.monotonic() - start
-    lat = sorted(r["e2e"] for r in rows)
-    good = sum(1 for r in rows if r["e2e"] <= CLASSES[r["kind"]][1])
-    return {"wall_s": wall, "mean_e2e_s": st.mean(lat), "p99_e2e_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-            "mean_ttft_s": st.mean(r["ttft"] for r in rows), "goodput_rps": good / wall, "within_slo": good / len(rows),
-            "per_class_mean_e2e_s": {k: st.mean(r["e2e"] for r in rows if r["kind"] == k)
-                                     for k in CLASSES if any(r["kind"] == k for r in rows)},
+    return {**latency_stats([(r["kind"], r["e2e"], r["ttft"]) for r in rows], wall),
             "max_send_lag_s": max(r["sent"] - r["arrival"] for r in rows),
             "texts": {r["rid"]: r["text"] for r in rows}}
 
@@ -156,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     same = [sum(x["texts"][k] == y["texts"][k] for k in x["texts"]) / len(x["texts"])
             for x, y in zip(results[a], results[b])]
     keys = ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps", "within_slo", "wall_s", "max_send_lag_s")
-    summary = {n: {k: st.median(x[k] for x in results[n]) for k in keys} for n in results}
-    for n in results:
-        summary[n]["per_class_mean_e2e_s"] = {c: st.median(x["per_class_mean_e2e_s"][c] for x in results[n])
-                                              for c in results[n][0]["per_class_mean_e2e_s"]}
+    summary = median_summary(results, keys)
     ratios = {k: summary[b][k] / summary[a][k] for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
     publish("loadtest.bench_routing", argv, args.out,
             {"settings": vars(args), "classes": CLASSES, "median": summary, "ratio_soonest_to_pow2": ratios,

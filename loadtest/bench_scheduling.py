@@ -119,17 +119,30 @@ def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> d
                     pi_control["processor"].forget(out.request_id)
     wall = time.monotonic() - start
     by_id = {j.rid: j for j in jobs}
-    e2e = {r: done[r] - by_id[r].arrival for r in done}
-    ttft = {r: first[r] - by_id[r].arrival for r in first}
-    good = sum(1 for r, lat in e2e.items() if lat <= CLASSES[by_id[r].kind][1])
-    lat = sorted(e2e.values())
-    return {"wall_s": wall, "mean_e2e_s": st.mean(lat), "p99_e2e_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-            "mean_ttft_s": st.mean(ttft.values()), "goodput_rps": good / wall, "within_slo": good / len(jobs),
-            "per_class_mean_e2e_s": {k: st.mean(e2e[j.rid] for j in jobs if j.kind == k)
-                                     for k in CLASSES if any(j.kind == k for j in jobs)},
+    return {**latency_stats([(by_id[r].kind, done[r] - by_id[r].arrival, first[r] - by_id[r].arrival) for r in done],
+                            wall),
             "preemptions": scheduler.priority_preemptions - counted[0] if scheduler else 0,
             "withheld_steps": scheduler.withheld_steps - counted[1] if scheduler else 0,
             "tokens": tokens}
+
+
+def latency_stats(rows: list[tuple[str, float, float]], wall: float) -> dict:
+    """One run's figures from (class, e2e s, TTFT s) per finished request."""
+    lat = sorted(e2e for _, e2e, _ in rows)
+    good = sum(1 for kind, e2e, _ in rows if e2e <= CLASSES[kind][1])
+    return {"wall_s": wall, "mean_e2e_s": st.mean(lat), "p99_e2e_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "mean_ttft_s": st.mean(t for _, _, t in rows), "goodput_rps": good / wall, "within_slo": good / len(rows),
+            "per_class_mean_e2e_s": {k: st.mean(e for c, e, _ in rows if c == k)
+                                     for k in CLASSES if any(c == k for c, _, _ in rows)}}
+
+
+def median_summary(results: dict[str, list[dict]], keys: tuple[str, ...]) -> dict:
+    """Per policy: the median over rounds of each figure, per-class latencies included."""
+    summary = {n: {k: st.median(x[k] for x in xs) for k in keys} for n, xs in results.items()}
+    for n, xs in results.items():
+        summary[n]["per_class_mean_e2e_s"] = {c: st.median(x["per_class_mean_e2e_s"][c] for x in xs)
+                                              for c in xs[0]["per_class_mean_e2e_s"]}
+    return summary
 
 
 @dataclass
@@ -213,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             for a, b in zip(results["fcfs"], results["pi"])]
     keys = ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps", "within_slo", "wall_s", "preemptions",
             "withheld_steps")
-    summary = {n: {k: st.median(x[k] for x in results[n]) for k in keys} for n in results}
-    for n in results:
-        summary[n]["per_class_mean_e2e_s"] = {c: st.median(x["per_class_mean_e2e_s"][c] for x in results[n])
-                                              for c in results[n][0]["per_class_mean_e2e_s"]}
+    summary = median_summary(results, keys)
     ratios = {k: summary["pi"][k] / summary["fcfs"][k] for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
     publish("loadtest.bench_scheduling", argv, args.out,
             {"settings": vars(args), "scheduling": scheduling.model_dump(), "classes": CLASSES, "median": summary,

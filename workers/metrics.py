@@ -13,6 +13,9 @@ from collections import deque
 
 from prometheus_client import REGISTRY, Counter, Histogram
 
+from controller.laws.priority import ewma
+from controller.laws.routing import batch_factor
+
 _ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 11.0)
 _TEMPERATURE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
 _TAU_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
@@ -85,9 +88,6 @@ class ReplicaMetrics:
         return statistics.median(self._unit_steps) if self._unit_steps else 0.0
 
     def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list) -> None:
-        from controller.laws.priority import ewma
-        from controller.laws.routing import batch_factor
-
         self.recent_step_s = ewma(self.recent_step_s or None, step_seconds, 0.1)
         self._unit_steps.append(step_seconds / batch_factor(len(deltas), self.max_num_seqs))
         self._step.observe(step_seconds)
