@@ -137,6 +137,11 @@ class AppConfig(BaseModel):
         "power_of_two", description="Serve's default power-of-two router, or deployments.routing.SoonestServedRouter "
         "(the replica expected to serve a new request soonest, from the controller's view). Measured on two CPU "
         "replicas (docs/benchmarks/routing-speed-aware.md): soonest_served mean latency 1.13x, goodput 0.79x power_of_two")
+    engine_stall_timeout_s: float = Field(
+        300.0, gt=0, description="the replica fails its health check when one engine step has run this long")
+    fault_injection: bool = Field(
+        False, description="allow EntropicWorker.inject_engine_fault (through a Serve handle) to stop an engine "
+        "loop from inside, for failure drills")
     telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
     routing_view_period_s: float = Field(
         0.05, gt=0, le=1.5, description="how often the ingress fetches the controller's routing view (soonest_served). "

@@ -18,17 +18,34 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 
 from deployments import protocol as p
 from deployments.config import AppConfig
-from workers.errors import InvalidRequest
+from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed
 
 logger = logging.getLogger(__name__)
+_ATTEMPTS = 3  # replicas tried for one request before its first output
+_RETRY_AFTER_S = 5
 app = FastAPI(title="entropic-serve", description="OpenAI-compatible API with entropy control")
 
 
-def _error(message: str, param: str | None = None, code: int = 400, kind: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse(p.error_body(message, param, code, kind), status_code=code)
+def _error(message: str, param: str | None = None, code: int = 400, kind: str = "BadRequestError",
+           retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(p.error_body(message, param, code, kind), status_code=code, headers=headers)
+
+
+def _failure_message(exc: BaseException, request_id: str) -> str:
+    """What a client is told when its generation fails midway: never a traceback, pid, address or actor id."""
+    if isinstance(exc, (RequestFailed, ReplicaUnavailable)):
+        message = exc.message
+    elif isinstance(exc, RayActorError):
+        message = "the replica serving this request stopped"
+    else:
+        message = "generation failed"
+    logger.warning("request %s failed: %s", request_id, message, exc_info=not isinstance(exc, RequestFailed))
+    return f"{message} (request {request_id})"
 
 
 def _finite(values: list[float]) -> list[float | None]:
@@ -140,6 +157,8 @@ class OpenAIIngress:
             body = json.loads(await raw.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return _error(f"the request body is not valid JSON: {exc}")
+        except RecursionError:
+            return _error(f"the request is nested more than {p.MAX_JSON_DEPTH} levels deep")
         try:
             request = p.parse_request(kind, body, self.model_name)
         except InvalidRequest as exc:
@@ -147,18 +166,17 @@ class OpenAIIngress:
         except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
-        stream = self.worker_stream.generate.remote(kind, request, p.overrides(request))
         try:
-            first = await stream.__anext__()
+            first, stream = await self._start(kind, request)
         except InvalidRequest as exc:
-            stream.cancel()  # release the call, so the router's in-flight count for that replica drops
             return _error(exc.message, exc.param)
-        except StopAsyncIteration:
-            return _error("the engine produced no output", code=500, kind="InternalServerError")
-        except Exception as exc:
-            stream.cancel()
-            logger.exception("generation failed")
-            return _error(f"generation failed: {exc}", code=500, kind="InternalServerError")
+        except ReplicaUnavailable as exc:
+            return _error(exc.message, code=503, kind="ServiceUnavailableError", retry_after=_RETRY_AFTER_S)
+        except RequestFailed as exc:
+            return _error(exc.message, code=500, kind="InternalServerError")
+        except Exception:
+            logger.exception("generation failed before its first output")
+            return _error("generation failed", code=500, kind="InternalServerError")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
@@ -167,6 +185,28 @@ class OpenAIIngress:
                 self._sse(kind, request_id, created, first, stream, include_usage), media_type="text/event-stream"
             )
         return await self._full(kind, request_id, created, first, stream)
+
+    async def _start(self, kind: str, request: Any) -> tuple[Any, Any]:
+        """Send the request to a replica and wait for its first output.
+
+        Nothing has been generated until then, so a replica that cannot take it (its engine
+        stopped, the actor died) is not the client's problem: try another, a few times.
+        """
+        for attempt in range(_ATTEMPTS):
+            stream = self.worker_stream.generate.remote(kind, request, p.overrides(request))
+            try:
+                return await stream.__anext__(), stream
+            except StopAsyncIteration:
+                raise RequestFailed("the engine produced no output") from None
+            except (ReplicaUnavailable, RayActorError) as exc:
+                stream.cancel()
+                if attempt + 1 == _ATTEMPTS:
+                    raise ReplicaUnavailable("no replica could take the request; retry shortly") from exc
+                logger.warning("replica unavailable (%s); retrying the request", type(exc).__name__)
+            except BaseException:
+                stream.cancel()  # release the call, so the router's in-flight count for that replica drops
+                raise
+        raise AssertionError("unreachable")
 
     async def _deltas(self, first: Any, stream: Any) -> AsyncIterator[Any]:
         yield first
@@ -195,8 +235,7 @@ class OpenAIIngress:
                 cls = p.ChatCompletionStreamResponse if kind == "chat" else p.CompletionStreamResponse
                 yield _sse(cls(id=rid, created=created, model=self.model_name, choices=[], usage=_usage(last)))
         except Exception as exc:  # mid-stream failure: tell the client in-band, then end the stream
-            logger.exception("stream failed")
-            yield _sse(p.error_body(f"generation failed: {exc}", None, 500, "InternalServerError"))
+            yield _sse(p.error_body(_failure_message(exc, rid), None, 500, "InternalServerError"))
         yield "data: [DONE]\n\n"
 
     async def _full(self, kind: str, rid: str, created: int, first: Any, stream: Any) -> Response:
@@ -210,8 +249,7 @@ class OpenAIIngress:
                 temperature += delta.temperature
                 kv_blocks += [list(kt) for kt in delta.kv_blocks]
         except Exception as exc:
-            logger.exception("generation failed")
-            return _error(f"generation failed: {exc}", code=500, kind="InternalServerError")
+            return _error(_failure_message(exc, rid), code=500, kind="InternalServerError")
         entropic = {"entropy": _finite(entropy), "temperature": _finite(temperature),
                     "entropic_time": last.entropic_time, "mean_entropy": last.mean_entropy,
                     "entropy_variance": last.entropy_variance}

@@ -77,20 +77,62 @@ _UNSUPPORTED = {
 }
 
 
-def _loc(error: dict[str, Any]) -> str:
-    parts = [str(p) for p in error.get("loc", ()) if not (isinstance(p, str) and p[:1].isupper())]
-    return ".".join(parts) or None  # type: ignore[return-value]
+def _loc(error: dict[str, Any]) -> str | None:
+    """The field's path as a client wrote it (``messages[0].content``), without pydantic's model and
+    union-branch tags (``ChatCompletionRequest``, ``list[constrained-int]``)."""
+    path = ""
+    for part in error.get("loc", ()):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and not part[:1].isupper() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _most_telling(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of a union's errors, the one from the branch the input's type matched (a too-long list, not
+    "should be a valid string"); if every branch is a type mismatch, the deepest."""
+    fitting = [e for e in errors if not e["type"].endswith("_type")]
+    return fitting[0] if fitting else max(errors, key=lambda e: len(e.get("loc", ())))
+
+
+MAX_JSON_DEPTH = 64
+
+
+def check_json_text(body: Any) -> None:
+    """Refuse what no field may hold: nesting deeper than MAX_JSON_DEPTH, and strings that are not
+    Unicode text (JSON can spell a lone surrogate, ``"\\ud800"``; tokenizers and detokenizers cannot take it)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"the request is nested more than {MAX_JSON_DEPTH} levels deep", path or None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest("the text is not valid Unicode (it holds a lone surrogate)", path or None) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                child = f"{path}.{k}" if path else str(k)
+                stack.extend(((k, path, depth + 1), (v, child, depth + 1)))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
 
 
 def parse_request(kind: str, body: Any, served_model: str) -> Any:
     """Validate a decoded JSON body; raises InvalidRequest naming the offending field."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    check_json_text(body)
     try:
         request = REQUEST_MODELS[kind].model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise InvalidRequest(f"{_loc(first)}: {first['msg']}", _loc(first)) from None
+        error = _most_telling(exc.errors())
+        raise InvalidRequest(f"{_loc(error)}: {error['msg']}", _loc(error)) from None
     except (ValueError, VLLMValidationError) as exc:  # vLLM's own model validators
         raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from None
     if request.model is not None and request.model != served_model:

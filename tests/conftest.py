@@ -24,7 +24,8 @@ TEST_APP_CONFIG = {
     "num_cpus_per_replica": 1,
     "engine": {"max_model_len": 8192, "max_num_seqs": 16, "kv_cache_space_gib": 1, "cpu_threads": 1},
     "telemetry_period_s": 0.05,
-    "request_router": "soonest_served",  # the router the routing tests are about (Serve's is the default)
+    "request_router": "soonest_served",
+    "fault_injection": True,  # tests/test_reliability.py stops an engine loop from inside  # the router the routing tests are about (Serve's is the default)
 }
 
 

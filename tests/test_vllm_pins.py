@@ -146,3 +146,18 @@ def test_cpu_key_cache_layout_is_what_the_pruner_reads():
         keys = key_cache_view(kv_cache)
         for i, slot in enumerate(slots.tolist()):
             assert torch.equal(keys[slot // block_size, :, slot % block_size], key[i]), (isa, slot)
+
+
+def test_request_validation_entry_points():
+    """workers.engine.EngineRunner.validate and workers.prompts run vLLM's own request checks."""
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+    from vllm.exceptions import VLLMClientError, VLLMValidationError
+    from vllm.renderers.hf import resolve_chat_template_kwargs
+
+    assert list(inspect.signature(SamplingParams.verify).parameters) == [
+        "self", "model_config", "speculative_config", "structured_outputs_config", "tokenizer"]
+    assert issubclass(VLLMValidationError, VLLMClientError) and not issubclass(VLLMValidationError, ValueError)
+    assert {"speculative_config", "structured_outputs_config"} <= set(VllmConfig.__dataclass_fields__)
+    assert list(inspect.signature(resolve_chat_template_kwargs).parameters)[:3] == [
+        "tokenizer", "chat_template", "chat_template_kwargs"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from controller.laws.entropic_time import EntropyTrace
+from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed
 from workers.pruning_state import STATE as PRUNING
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,6 @@ def configure_process_env(cpu_threads: int, kv_cache_space_gib: int) -> None:
     import torch
 
     torch.set_num_threads(cpu_threads)
-
-
-class EngineRequestError(ValueError):
-    """The engine refused a request (vLLM's own validation): a client error."""
 
 
 @dataclass
@@ -79,7 +76,17 @@ StepObserver = Callable[[float, float, list["Delta"]], None]
 
 
 class EngineRunner:
-    def __init__(self, engine_kwargs: dict[str, Any], on_step: StepObserver | None = None) -> None:
+    """Owns one vLLM ``LLMEngine`` and the thread that steps it.
+
+    Failure isolation: a request's parameters are checked against the model (vLLM's own
+    ``SamplingParams.verify``) before they reach the engine thread, and anything a single request
+    raises there (adding it, delivering its output) fails that request alone, never the loop. Only
+    an exception from ``engine.step()`` itself stops the loop: the engine's state is then unknown,
+    so every stream gets an error at once, ``alive`` turns false and ``on_fatal`` is called.
+    """
+
+    def __init__(self, engine_kwargs: dict[str, Any], on_step: StepObserver | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -92,17 +99,24 @@ class EngineRunner:
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
         self._on_step = on_step
+        self._on_fatal = on_fatal
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # registering a stream vs. failing them all when the loop dies
         self._stop = threading.Event()
         self.fatal: BaseException | None = None
         self.steps = 0
+        self.heartbeat = time.monotonic()  # last time the loop went round (idle waits included)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last went round; large while alive means one step is stuck."""
+        return time.monotonic() - self.heartbeat
 
     @property
     def scheduler(self) -> Any:
@@ -112,27 +126,34 @@ class EngineRunner:
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
     # --- caller side -----------------------------------------------------------------
+    def validate(self, params: Any) -> None:
+        """vLLM's own checks of a request against this model (token ids in ``stop_token_ids``,
+        ``logit_bias``, ``allowed_token_ids``, logprobs limits, structured-output specs), run in the
+        caller's thread so a bad request is refused before the engine thread ever sees it."""
+        from vllm.exceptions import VLLMClientError
+
+        config = self.engine.vllm_config
+        try:
+            params.verify(self.engine.model_config, config.speculative_config,
+                          config.structured_outputs_config, self.tokenizer)
+        except (VLLMClientError, ValueError, TypeError, OverflowError) as exc:
+            raise _client_error(exc) from None
+
     async def generate(self, request_id: str, prompt: Any, params: Any, prompt_tokens: int) -> AsyncIterator[Delta]:
-        if not self.alive:
-            raise RuntimeError("engine loop is not running") from self.fatal
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), request_id, time.monotonic(), prompt_tokens,
                          pruning=((getattr(params, "extra_args", None) or {}).get("entropic") or {}).get("pruning"))
-
-        def add() -> None:
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except (ValueError, TypeError) as exc:
-                loop.call_soon_threadsafe(stream.queue.put_nowait, EngineRequestError(str(exc)))
-                return
+        with self._lock:
+            if not self.alive:
+                raise ReplicaUnavailable("this replica's engine has stopped; it is being replaced")
             self._streams[request_id] = stream
-
-        self._commands.put(add)
+        self._commands.put(lambda: self._add(stream, prompt, params))
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine thread has already let go of it
                     raise item
                 yield item
                 if item.finished:
@@ -142,16 +163,51 @@ class EngineRunner:
             if not finished:  # caller went away or failed: free the engine's slot
                 self._commands.put(lambda: self._abort(request_id))
 
+    def stop_with_error(self, exc: BaseException) -> None:
+        """Stop the loop as if a step had raised ``exc`` (fault injection: chaos tests, drills)."""
+        def fail() -> None:
+            raise exc
+
+        self._commands.put(fail)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
 
     # --- engine thread -----------------------------------------------------------------
+    def _add(self, stream: _Stream, prompt: Any, params: Any) -> None:
+        if stream.key not in self._streams:
+            return  # the caller left before the engine got to it
+        try:
+            self.engine.add_request(stream.key, prompt, params)
+        except Exception as exc:  # whatever one request raises fails that request, not the loop
+            from vllm.exceptions import VLLMClientError
+
+            if isinstance(exc, (VLLMClientError, ValueError, TypeError, OverflowError)):
+                self._fail(stream.key, _client_error(exc))
+            else:
+                logger.exception("adding request %s failed", stream.key)
+                self._fail(stream.key, RequestFailed("the engine could not accept this request"))
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """End one request with ``error``, releasing whatever the engine holds for it."""
+        stream = self._streams.pop(request_id, None)
+        try:  # the request may be half-added (output processor but not core): abort is a no-op otherwise
+            self.engine.abort_request([request_id])
+        except Exception:
+            logger.exception("aborting request %s failed", request_id)
+        self._forget(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self.engine.abort_request([request_id])
-            self.processor.forget(request_id)
-            PRUNING.forget(request_id)
+            self._forget(request_id)
+
+    def _forget(self, key: str) -> None:
+        self.processor.forget(key)
+        PRUNING.forget(key)
 
     def _drain_commands(self) -> None:
         block = not self.engine.has_unfinished_requests()
@@ -164,29 +220,47 @@ class EngineRunner:
             command()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                continue
-            started = time.perf_counter()
-            estimator_before = self.processor.estimator_seconds
-            try:
+        try:
+            while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    continue
+                started = time.perf_counter()
+                estimator_before = self.processor.estimator_seconds
                 outputs = self.engine.step()
-            except BaseException as exc:  # the engine is broken: fail every stream, stop
-                logger.exception("engine step failed")
-                self.fatal = exc
-                for stream in self._streams.values():
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
-                self._streams.clear()
-                return
-            self.steps += 1
-            step_seconds = time.perf_counter() - started
-            produced = [d for d in (self._deliver(o) for o in outputs) if d is not None]
-            if self._on_step is not None:
-                try:
-                    self._on_step(step_seconds, self.processor.estimator_seconds - estimator_before, produced)
-                except Exception:  # observers must never stop serving
-                    logger.exception("step observer failed")
+                self.steps += 1
+                step_seconds = time.perf_counter() - started
+                produced = [d for d in (self._deliver_isolated(o) for o in outputs) if d is not None]
+                if self._on_step is not None:
+                    try:
+                        self._on_step(step_seconds, self.processor.estimator_seconds - estimator_before, produced)
+                    except Exception:  # observers must never stop serving
+                        logger.exception("step observer failed")
+        except BaseException as exc:  # the engine's state is unknown: stop, and say so to everyone at once
+            logger.exception("engine loop stopped")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self.fatal = exc
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():  # before its first output the ingress may retry it elsewhere
+            stream.loop.call_soon_threadsafe(
+                stream.queue.put_nowait, ReplicaUnavailable("the engine on this replica failed before the request finished"))
+        if self._on_fatal is not None:
+            try:
+                self._on_fatal(exc)
+            except Exception:
+                logger.exception("engine failure callback failed")
+
+    def _deliver_isolated(self, output: Any) -> Delta | None:
+        try:
+            return self._deliver(output)
+        except Exception:
+            logger.exception("delivering output of request %s failed", output.request_id)
+            self._fail(output.request_id, RequestFailed("the engine failed while producing this request's output"))
+            return None
 
     def _deliver(self, output: Any) -> Delta | None:
         stream = self._streams.get(output.request_id)
@@ -220,8 +294,7 @@ class EngineRunner:
         )
         if output.finished:
             self._streams.pop(output.request_id, None)
-            self.processor.forget(stream.key)
-            PRUNING.forget(stream.key)
+            self._forget(stream.key)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
         return delta
 
@@ -243,6 +316,12 @@ def _surprisal(entry: Any) -> float | None:
     if not entry:
         return None  # the first prompt token has no conditional probability
     return -next(iter(entry.values())).logprob
+
+
+def _client_error(exc: BaseException) -> InvalidRequest:
+    """vLLM's refusal as our 400: its message without the rejected value (which may be huge)."""
+    message = str(exc.args[0]) if exc.args else type(exc).__name__
+    return InvalidRequest(message, getattr(exc, "parameter", None))
 
 
 def find_logits_processor(engine: Any, cls: type) -> Any:

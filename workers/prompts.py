@@ -28,23 +28,47 @@ def _message_text(message: dict[str, Any], index: int) -> dict[str, str]:
     return {"role": str(message.get("role", "user")), "content": content}
 
 
+def _template_kwargs(request: Any, tokenizer: Any) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` the template accepts, as vLLM's server filters them
+    (``tokenize`` and ``chat_template`` are refused: they would change what the call returns)."""
+    from vllm.renderers.hf import resolve_chat_template_kwargs
+
+    kwargs = dict(request.chat_template_kwargs or {})
+    if not kwargs:
+        return kwargs
+    try:
+        return resolve_chat_template_kwargs(tokenizer, tokenizer.get_chat_template(None), kwargs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "chat_template_kwargs") from None
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except (TypeError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate ("\ud800") in the text
+        raise InvalidRequest(f"the text cannot be tokenized: {exc}", param) from None
+
+
 def prompt_token_ids(kind: str, request: Any, tokenizer: Any) -> list[int]:
     if kind == "chat":
         messages = [_message_text(dict(m), i) for i, m in enumerate(request.messages)]
-        kwargs = dict(request.chat_template_kwargs or {})
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs
-        )
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        kwargs = _template_kwargs(request, tokenizer)
+        try:
+            rendered = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs
+            )
+        except Exception as exc:  # the template's own error (jinja raise_exception, a bad kwarg's type)
+            raise InvalidRequest(f"the chat template could not render these messages: {exc}", "messages") from None
+        return _encode(tokenizer, rendered, False, "messages")
     prompt = request.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True)
+        return _encode(tokenizer, prompt, True, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         vocab = len(tokenizer)
-        if any(t >= vocab for t in prompt):
-            raise InvalidRequest(f"token ids must be below the vocabulary size {vocab}", "prompt")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
     raise InvalidRequest("prompt must be one non-empty string or one list of token ids", "prompt")
 

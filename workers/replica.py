@@ -25,9 +25,11 @@ from workers.tracking import GrantBoard, PriorityBoard, SequenceTrack
 logger = logging.getLogger(__name__)
 
 _METRICS_PERIOD_S = 1.0
+_LEAVE_GRACE_S = 0.5
 
 
-@serve.deployment(name="EntropicWorker", health_check_period_s=10, health_check_timeout_s=30)
+# Serve marks a replica unhealthy after three failed checks in a row: every 2 s keeps that under 10 s.
+@serve.deployment(name="EntropicWorker", health_check_period_s=2, health_check_timeout_s=30)
 class EntropicWorker:
     def __init__(self, config: dict[str, Any], controller: Any = None) -> None:
         self.config = AppConfig.model_validate(config)
@@ -49,7 +51,8 @@ class EntropicWorker:
         self.scheduling = self.config.scheduling
         if self.scheduling.enabled:
             engine_kwargs.update(scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority")
-        self.runner = EngineRunner(engine_kwargs, on_step=self.metrics.observe_step)
+        self._event_loop = asyncio.get_event_loop()
+        self.runner = EngineRunner(engine_kwargs, on_step=self.metrics.observe_step, on_fatal=self._engine_failed)
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()
         self.block_size = self.runner.engine.vllm_config.cache_config.block_size
         self.board = PriorityBoard()
@@ -91,16 +94,13 @@ class EntropicWorker:
         params = sampling_params(
             kind, request, len(ids), self.runner.max_model_len, self.generation_defaults, control, key, pruning
         )
-        from workers.engine import EngineRequestError
-
+        self.runner.validate(params)
         now = time.monotonic()
         track = self._active[key] = SequenceTrack(now, now, len(ids), self.scheduling.slo_s, params.max_tokens)
         try:
             async for delta in self.runner.generate(key, {"prompt_token_ids": ids}, params, len(ids)):
                 track.observe(delta, time.monotonic(), self.scheduling.drop_ewma)
                 yield delta
-        except EngineRequestError as exc:
-            raise InvalidRequest(str(exc)) from None
         finally:
             self._active.pop(key, None)
 
@@ -109,6 +109,14 @@ class EntropicWorker:
         return {"replica_id": self.replica_id, "max_model_len": self.runner.max_model_len, "steps": self.runner.steps,
                 "priorities": {k: {"pi": pi, "source": src, "lease_steps": leases.get(k)}
                                for k, (pi, src) in self._priorities.items()}}
+
+    def inject_engine_fault(self) -> str:
+        """Stop this replica's engine loop from inside, as a crashing step would (``fault_injection``
+        must be on): its streams fail, its health check fails, it leaves and Serve replaces it."""
+        if not self.config.fault_injection:
+            raise InvalidRequest("fault injection is off in this deployment", "fault_injection")
+        self.runner.stop_with_error(RuntimeError("injected engine fault"))
+        return self.replica_id
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for deployments.routing.SoonestServedRouter."""
@@ -119,8 +127,30 @@ class EntropicWorker:
                 "unit_step_s": self.metrics.recent_unit_step_s}
 
     async def check_health(self) -> None:
+        """Serve's health check: fails once the engine loop has stopped or one step has hung."""
         if not self.runner.alive:
             raise RuntimeError(f"engine loop stopped: {self.runner.fatal!r}")
+        stalled = self.runner.stalled_for()
+        if stalled > self.config.engine_stall_timeout_s:
+            raise RuntimeError(f"engine loop has not gone round for {stalled:.0f} s")
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """Engine thread: the loop stopped. Its streams already have their error; leave the cluster.
+
+        vLLM's own server exits when its engine dies (so an orchestrator restarts it); a replica
+        does the same so Serve replaces it now, instead of after three failed health checks.
+        """
+        self._event_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._leave(exc)))
+
+    async def _leave(self, exc: BaseException) -> None:
+        await asyncio.sleep(_LEAVE_GRACE_S)  # let the in-band errors reach the ingress first
+        logger.error("engine failed (%r): replica %s exits so Serve replaces it", exc, self.replica_id)
+        try:
+            import ray
+
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        except Exception:  # not a Ray actor (constructed directly): check_health still reports it
+            logger.exception("could not exit the replica")
 
     async def _control_loop(self) -> None:
         """Each control period: report telemetry, take π from the controller or compute it locally."""

@@ -1,0 +1,166 @@
+"""One bad request never takes a replica down; an engine that does fail is noticed and replaced
+without losing the service. The real application: two engine replicas on the default model."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+VOCAB = 49152  # the default model's vocabulary
+CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+
+# (endpoint, body fields over CHAT or a completion, the field a 400 must name; None: no field to name)
+POISON = [
+    ("chat", {"stop_token_ids": [-1]}, "stop_token_ids"),
+    ("chat", {"logit_bias": {"99999999": 5}}, "logit_bias"),
+    ("chat", {"allowed_token_ids": [-3]}, None),
+    ("chat", {"structured_outputs": {"regex": "(unclosed["}}, None),
+    ("chat", {"structured_outputs": {"json": {"type": "bogus"}}}, None),
+    ("chat", {"structured_outputs": {"grammar": "root ::= ("}}, None),
+    ("chat", {"structured_outputs": {"choice": []}}, None),
+    ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("chat", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+    ("chat", {"bad_words": ["\udc00"]}, "bad_words[0]"),
+    ("completion", {"prompt": [1, 2, -7]}, "prompt[2]"),
+    ("chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # at most 4, as in OpenAI's API
+    ("completion", {"prompt": [VOCAB]}, "prompt"),
+]
+
+
+def _post(server: str, kind: str, fields: dict) -> httpx.Response:
+    path = "chat/completions" if kind == "chat" else "completions"
+    body = {**CHAT, **fields} if kind == "chat" else {"prompt": "Hello", "max_tokens": 4, **fields}
+    if kind == "completion":
+        body.pop("messages", None)
+    # json.dumps escapes a lone surrogate as \udXXX, which is what a client sends on the wire
+    return httpx.post(f"{server}/v1/{path}", content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+def _assert_openai_400(response: httpx.Response, param: str | None = None) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400 and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert "Traceback" not in response.text and "pid=" not in response.text
+
+
+def _worker_replicas() -> set[str]:
+    import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#EntropicWorker#" in a["name"]}
+
+
+def _running_workers() -> int:
+    from ray import serve
+
+    status = serve.status().applications["entropic"].deployments["EntropicWorker"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def _stream(server: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion, read with plain httpx: what arrived, and when the stream ended."""
+    events, error = [], None
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                events.append("[DONE]")
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+            else:
+                events.append(chunk["choices"][0]["text"])
+    return {"tokens": sum(1 for e in events if e != "[DONE]"), "error": error, "done": events[-1:] == ["[DONE]"],
+            "ended": time.time()}
+
+
+def test_poison_requests_get_400_while_other_streams_go_on(server):
+    replicas = _worker_replicas()
+    with cf.ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(_stream, server, f"Chapter {i}:", 48) for i in range(2)]
+        for _ in range(2):  # twice over, so both replicas almost surely get each kind
+            for kind, fields, param in POISON:
+                _assert_openai_400(_post(server, kind, fields), param)
+        results = [f.result(timeout=300) for f in streams]
+    assert all(r["tokens"] == 48 and r["done"] and r["error"] is None for r in results), results
+    assert _worker_replicas() == replicas  # no replica died or was replaced
+    assert _post(server, "chat", {}).status_code == 200
+
+
+_out_of_vocab = st.one_of(st.integers(max_value=-1), st.integers(min_value=VOCAB, max_value=2**40))
+_poison_fields = st.one_of(
+    st.lists(_out_of_vocab, min_size=1, max_size=3).map(lambda ids: ("chat", {"stop_token_ids": ids})),
+    _out_of_vocab.map(lambda t: ("chat", {"logit_bias": {str(t): 1.0}})),
+    st.lists(_out_of_vocab, min_size=1, max_size=3).map(lambda ids: ("chat", {"allowed_token_ids": ids})),
+    st.text("ab|*", max_size=4).map(lambda s: ("chat", {"structured_outputs": {"regex": s + "("}})),
+    st.sampled_from(["nonsense", "int", "strin", ""]).map(
+        lambda t: ("chat", {"structured_outputs": {"json": {"type": t}}})),
+    st.sampled_from(["tokenize", "chat_template"]).map(lambda k: ("chat", {"chat_template_kwargs": {k: True}})),
+    st.lists(_out_of_vocab, min_size=1, max_size=3).map(lambda ids: ("completion", {"prompt": [1, *ids]})),
+    st.lists(st.integers(), min_size=1, max_size=5).map(lambda items: ("chat", {"stop": items})),
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_poison_fields)
+def test_generated_poison_always_gets_an_openai_400(server, case):
+    kind, fields = case
+    _assert_openai_400(_post(server, kind, fields))
+
+
+@pytest.mark.disruptive
+def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
+    from ray import serve
+
+    before = _worker_replicas()
+    assert len(before) == 2
+    with cf.ThreadPoolExecutor(8) as pool:
+        # Four long streams at once split 2/2 across the idle replicas (tests/test_cluster.py).
+        streams = [pool.submit(_stream, server, f"Volume {i}:", 400) for i in range(4)]
+        deadline = time.time() + 60
+        while True:  # every stream under way on both replicas
+            generated = [[s["generated"] for s in report.get("summaries", {}).values()]
+                         for report in httpx.get(f"{server}/debug/requests").json().values()]
+            if sum(1 for g in generated if g) == 2 and sum(x > 0 for g in generated for x in g) == 4:
+                break
+            assert time.time() < deadline, f"the streams did not get under way on both replicas: {generated}"
+            time.sleep(0.1)
+        injected_at = time.time()
+        victim = serve.get_deployment_handle("EntropicWorker", app_name="entropic").inject_engine_fault.remote().result()
+        # Meanwhile new requests keep being served: the ingress sends them around the failed replica.
+        meanwhile = [pool.submit(_post, server, "chat", {}) for _ in range(4)]
+        results = [f.result(timeout=300) for f in streams]
+        assert [r.status_code for r in (f.result(timeout=300) for f in meanwhile)] == [200] * 4
+    failed = [r for r in results if r["error"] is not None]
+    assert failed and len(failed) < 4, results
+    for r in failed:  # an in-band error object, then [DONE], within a second or two
+        assert r["done"] and r["error"]["code"] == 500 and "Traceback" not in r["error"]["message"]
+        assert r["ended"] - injected_at < 3.0, r
+    assert all(r["tokens"] == 400 and r["done"] for r in results if r["error"] is None)
+
+    # The replica leaves (it is gone well within Serve's 2 s health period) and Serve starts another.
+    deadline = time.time() + 10
+    while any(victim in name for name in _worker_replicas()):
+        assert time.time() < deadline, "the failed replica is still there"
+        time.sleep(0.2)
+    deadline = time.time() + 180
+    while len(after := _worker_replicas()) < 2 or _running_workers() < 2:
+        assert time.time() < deadline, "Serve did not replace the failed replica"
+        time.sleep(1)
+    assert len(after - before) == 1 and not any(victim in name for name in after)
+    deadline = time.time() + 120
+    while len(httpx.get(f"{server}/debug/requests").json()) < 2:  # the new replica reports to the controller
+        assert time.time() < deadline, "the replacement replica never reported"
+        time.sleep(0.5)
+    assert _post(server, "chat", {}).status_code == 200
