@@ -15,7 +15,7 @@ from deployments.config import AppConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
-CRDS = ROOT.parent / "shared" / "schemas" / "kuberay"
+CRDS = K8S / "crds"  # vendored from KubeRay (k8s/crds/SOURCE)
 K8S_VERSION = "1.30.0"
 
 
@@ -47,7 +47,7 @@ def _crd_schema(kind: str) -> dict:
 def _documents() -> list[tuple[Path, dict]]:
     docs = []
     for path in sorted(K8S.rglob("*.yaml")):
-        if path.name == "kustomization.yaml":
+        if path.name == "kustomization.yaml" or CRDS in path.parents:
             continue
         docs += [(path, d) for d in yaml.safe_load_all(path.read_text()) if d]
     return docs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -33,7 +34,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def prometheus(server, tmp_path_factory):
     binary = shutil.which("prometheus")
-    assert binary, "the Prometheus server is missing: `make test` installs Debian's prometheus package"
+    if not binary:
+        message = "no prometheus binary on PATH (`make test` installs Debian's package when run as root)"
+        if os.environ.get("REQUIRE_PROMETHEUS"):  # CI (.ci/run): this tier must run there
+            pytest.fail(message)
+        pytest.skip(message)
     workdir = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
