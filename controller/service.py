@@ -1,38 +1,44 @@
-"""The central entropy controller as a single-replica Serve deployment.
+"""The central entropy controller: a plain class (no Ray), run by ``deployments.controller`` as a
+single-replica Serve deployment and usable in-process by benchmarks and tests.
 
-Replicas stream telemetry here at the control period (``report``): the entropy profile of
-each active request and, once a second, their metric families. The ingress reads the
-merged metrics from here for /metrics and the profiles for /debug/requests, and the routing view
-for its request router. The answer to a report carries the scheduling decisions for that replica's
-sequences: π(s) and, with ``scheduling.grant_slots`` set, the decode-step leases to renew.
+Replicas send a ``TelemetryReport`` every control period: the entropy profile of each active
+request, their load, and once a second their metric families. The answer carries the scheduling
+decisions for that replica's sequences: π(s) and, with ``scheduling.grant_slots`` set, the
+decode-step leases to renew. The ingress reads the merged metrics (/metrics), the profiles
+(/debug/requests) and the routing view (for its request router) from here.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from ray import serve
 
+from controller.config import SchedulingConfig
 from controller.laws.grants import to_renew
-from controller.laws.priority import SequenceState, priorities
+from controller.laws.priority import priorities
+from controller.messages import ControllerAnswer, RoutingView, TelemetryReport, as_json
 from controller.metrics_merge import merge_families
 
 _STALE_AFTER_S = 30.0
-_ROUTING_FIELDS = ("running", "waiting", "max_num_seqs", "step_s", "unit_step_s", "remaining")
 
 
-@serve.deployment(name="EntropyController", num_replicas=1, max_ongoing_requests=1000,
-                  ray_actor_options={"num_cpus": 0})
+@dataclass
+class _Heard:
+    report: TelemetryReport
+    answer: ControllerAnswer
+    received: float  # controller wall clock
+    lag_s: float
+
+
 class EntropyController:
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
-        from deployments.config import AppConfig
-
-        self._scheduling = AppConfig.model_validate(config or {}).scheduling
+    def __init__(self, scheduling: SchedulingConfig | None = None) -> None:
+        self._scheduling = scheduling or SchedulingConfig()
         self._weights = self._scheduling.weights()
         self._grant_policy = self._scheduling.grant_policy() if self._scheduling.grant_slots else None
-        self._reports: dict[str, dict[str, Any]] = {}
-        self._received: dict[str, float] = {}
+        self._heard: dict[str, _Heard] = {}
         self._metrics: dict[str, list] = {}
         self._registry = CollectorRegistry(auto_describe=False)
         self._lag = Histogram("entropic_telemetry_lag_seconds", "Delay from a replica sending telemetry to the controller receiving it",
@@ -42,38 +48,35 @@ class EntropyController:
         self._report_count = Counter("entropic_telemetry_reports", "Telemetry reports received from replicas",
                                      registry=self._registry)
 
-    def report(self, replica_id: str, report: dict[str, Any]) -> dict[str, Any]:
+    def report(self, report: TelemetryReport) -> ControllerAnswer:
         """Take one replica's telemetry; answer with π for each of its sequences and, with decode-step
         grants on, which of them get their lease renewed this period."""
         started = time.perf_counter()
         now = time.time()
-        self._received[replica_id] = now
-        metrics = report.pop("metrics", None)
-        if metrics is not None:
-            self._metrics[replica_id] = metrics
-        report["lag_s"] = max(0.0, now - report.get("sent_at", now))
-        self._lag.observe(report["lag_s"])
+        if report.metrics is not None:
+            self._metrics[report.replica_id] = report.metrics
+            report = dataclasses.replace(report, metrics=None)
+        lag = max(0.0, now - report.sent_at)
+        self._lag.observe(lag)
         self._report_count.inc()
-        states = {k: SequenceState(**{**s, "waited_s": s["waited_s"] + report["lag_s"]})
-                  for k, s in report.get("sequences", {}).items()}
-        report["priorities"] = priorities(states, self._weights)
-        answer = {"priorities": report["priorities"]}
-        if self._grant_policy is not None:
-            answer["granted"] = report["granted"] = to_renew(report["priorities"], self._grant_policy)
-        self._reports[replica_id] = report
+        states = {k: dataclasses.replace(s, waited_s=s.waited_s + lag) for k, s in report.sequences.items()}
+        pi = priorities(states, self._weights)
+        granted = tuple(to_renew(pi, self._grant_policy)) if self._grant_policy is not None else None
+        answer = ControllerAnswer(priorities=pi, granted=granted)
+        self._heard[report.replica_id] = _Heard(report, answer, now, lag)
         self._loop.observe(time.perf_counter() - started)
         return answer
 
-    def _live(self) -> list[str]:
+    def _live(self) -> dict[str, _Heard]:
         cutoff = time.time() - _STALE_AFTER_S
-        return [r for r, t in self._received.items() if t >= cutoff]
+        return {r: h for r, h in self._heard.items() if h.received >= cutoff}
 
-    def routing_view(self) -> dict[str, Any]:
-        """What routing needs of each live replica (its load and the remaining work of its running
-        sequences, deployments.routing), with the age of the report it comes from."""
+    def routing_view(self) -> RoutingView:
+        """Each live replica's load (deployments.routing) and the age of the report it comes from."""
         now = time.time()
-        return {"replicas": {r: {**{f: self._reports[r].get(f) for f in _ROUTING_FIELDS}, "age_s": now - self._received[r]}
-                             for r in self._live() if r in self._reports}}
+        live = self._live()
+        return RoutingView(loads={r: h.report.load for r, h in live.items()},
+                           ages_s={r: now - h.received for r, h in live.items()})
 
     def metric_families(self) -> list:
         """Every live replica's families plus the controller's own (labelled replica="controller")."""
@@ -81,9 +84,11 @@ class EntropyController:
         return merge_families({**live, "controller": list(self._registry.collect())})
 
     def profiles(self) -> dict[str, Any]:
-        """Per replica: its latest report, with π and the cluster-wide rank of each sequence."""
-        live = {r: self._reports[r] for r in self._live()}
-        ranked = sorted(((pi, r, k) for r, rep in live.items() for k, pi in rep.get("priorities", {}).items()),
-                        reverse=True)
+        """Per replica, as JSON: its latest report with π, the grants and the cluster-wide rank of each sequence."""
+        live = self._live()
+        ranked = sorted(((pi, r, k) for r, h in live.items() for k, pi in h.answer.priorities.items()), reverse=True)
         ranks = {(r, k): i + 1 for i, (_, r, k) in enumerate(ranked)}
-        return {r: {**rep, "ranks": {k: ranks[(r, k)] for k in rep.get("priorities", {})}} for r, rep in live.items()}
+        return {r: {**as_json(h.report), "lag_s": h.lag_s, "priorities": h.answer.priorities,
+                    "granted": as_json(h.answer.granted),
+                    "ranks": {k: ranks[(r, k)] for k in h.answer.priorities}}
+                for r, h in live.items()}

@@ -6,10 +6,10 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from controller.service import EntropyController
 from deployments.config import AppConfig
+from deployments.controller import ControllerDeployment
 from deployments.openai_api import OpenAIIngress
-from workers.replica import EntropicWorker
+from deployments.worker import EntropicWorker
 
 
 def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     as_dict = config.model_dump()
-    controller = EntropyController.bind(as_dict)
+    controller = ControllerDeployment.bind(as_dict)
     scaling: dict[str, Any] = (
         {"autoscaling_config": config.autoscaling.model_dump()} if config.autoscaling
         else {"num_replicas": config.num_replicas})

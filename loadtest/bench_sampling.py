@@ -1,24 +1,25 @@
 """Benchmark: cost of entropy-stabilized sampling against plain vLLM, same prompts, same run.
 
-Three configurations, interleaved over several rounds so machine noise hits all alike:
-  plain    vLLM's LLMEngine as shipped (no logits processor)
-  observe  our engine: entropy telemetry per token, sampling untouched (control off)
-  control  our engine: telemetry plus the temperature law (control on)
-Each round runs one batch of ``--batch`` requests (``--max-tokens`` tokens each, ignore_eos,
-so every configuration generates the same number of tokens). Reported: decode throughput,
-TTFT, inter-token latency, end-to-end latency (medians over rounds), their ratios to plain,
-and the estimator's share of engine step time (median over steps).
+Three configurations, each a ``workers.core.ReplicaCore`` (the replica that serves, without Ray)
+driven with the same OpenAI chat requests, interleaved over rounds so machine noise hits all alike:
+  plain    ``telemetry: false``: vLLM's engine as shipped (no logits processor of ours)
+  observe  entropy telemetry per token, sampling untouched (control off)
+  control  telemetry plus the temperature law (the requests' ``entropic.enabled``)
+Scheduling and pruning are off in all three. Each round runs one batch of ``--batch`` requests
+(``--max-tokens`` tokens each, ignore_eos: a decode-speed benchmark, every configuration generates
+as many tokens). Reported: throughput, TTFT, inter-token latency, end-to-end latency (medians over
+rounds), their ratios to plain, the mean engine step and the estimator's share of step time
+(from the replica's own ``entropic_engine_step_seconds`` / ``entropic_estimator_seconds``).
 
     make bench ARGS="--batch 16 --rounds 3"      (writes docs/benchmarks/sampling.{md,json})
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics as st
 import sys
 import time
-
-from controller.laws.entropic_time import EntropyTrace
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -32,53 +33,51 @@ PROMPTS = [
 ]
 
 
-def _run_batch(engine, make_params, prompts, processor=None) -> dict:
-    tokenizer = engine.get_tokenizer()
+def _step_totals(core) -> tuple[float, float, float]:
+    """(engine steps, their seconds, estimator seconds in them), cumulative, from the replica's own metrics."""
+    totals = {s.name: s.value for m in core.metrics.registry.collect() for s in m.samples
+              if s.name in ("entropic_engine_step_seconds_count", "entropic_engine_step_seconds_sum",
+                            "entropic_estimator_seconds_sum")}
+    return (totals.get("entropic_engine_step_seconds_count", 0.0), totals.get("entropic_engine_step_seconds_sum", 0.0),
+            totals.get("entropic_estimator_seconds_sum", 0.0))
+
+
+async def _run_batch(core, prompts: list[str], max_tokens: int, overrides: dict | None) -> dict:
+    """One batch, all requests at once, through ``ReplicaCore.generate`` (chat requests, temperature 1,
+    ignore_eos so every configuration generates as many tokens)."""
+    from deployments.protocol import EntropicChatCompletionRequest
+
+    before = _step_totals(core)
     start = time.perf_counter()
-    arrivals, first, last, gaps, traces, emitted = {}, {}, {}, [], {}, {}
-    for i, prompt in enumerate(prompts):
-        rid = f"r{i}-{time.monotonic_ns()}"
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=False)
-        engine.add_request(rid, {"prompt_token_ids": tokenizer.encode(ids, add_special_tokens=False)},
-                           make_params(rid, i))
-        arrivals[rid] = time.perf_counter()
-    steps, estimator_shares, tokens, step_times = 0, [], 0, []
-    while engine.has_unfinished_requests():
-        est0 = processor.estimator_seconds if processor else 0.0
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        t1 = time.perf_counter()
-        steps += 1
-        if all(len(o.outputs[0].token_ids) <= 1 for o in outputs) and len(outputs) == len(prompts):
-            step_times.append(t1 - t0)  # a pure decode step of the full batch
-        if processor is not None and t1 > t0:
-            estimator_shares.append((processor.estimator_seconds - est0) / (t1 - t0))
-        for out in outputs:
-            new = len(out.outputs[0].token_ids)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    gaps: list[float] = []
+    counts: dict[int, int] = {}
+
+    async def one(i: int, prompt: str) -> None:
+        request = EntropicChatCompletionRequest(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                                                temperature=1.0, ignore_eos=True, seed=i)
+        async for delta in core.generate("chat", request, overrides):
+            now = time.perf_counter()
+            new = len(delta.token_ids)
             if not new:
                 continue
-            tokens += new
-            rid = out.request_id
-            if processor is not None:  # the telemetry work the worker does per delivered delta
-                trace = traces.setdefault(rid, EntropyTrace())
-                done = emitted.get(rid, 0)
-                for h, _ in processor.records(rid)[done:done + new]:
-                    trace.add(h)
-                emitted[rid] = done + new
-                if out.finished:
-                    processor.forget(rid)
-            if rid in last:
-                gaps.append((t1 - last[rid]) / new)
+            counts[i] = counts.get(i, 0) + new
+            if i in last:
+                gaps.append((now - last[i]) / new)
             else:
-                first[rid] = t1 - arrivals[rid]
-            last[rid] = t1
+                first[i] = now - start
+            last[i] = now
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - start
+    steps, step_s, estimator_s = (a - b for a, b in zip(_step_totals(core), before))
+    tokens = sum(counts.values())
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": steps,
             "ttft_s": st.median(first.values()), "itl_s": st.median(gaps) if gaps else 0.0,
-            "e2e_s": st.median(last[r] - arrivals[r] for r in last),
-            "decode_step_s": st.median(step_times) if step_times else 0.0,
-            "estimator_share": st.median(estimator_shares) if estimator_shares else 0.0}
+            "e2e_s": st.median(t - start for t in last.values()),
+            "mean_step_s": step_s / steps if steps else 0.0,
+            "estimator_share": estimator_s / step_s if step_s else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,57 +91,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/benchmarks/sampling")
     args = parser.parse_args(argv)
 
-    from workers.engine import configure_process_env
+    from prometheus_client import CollectorRegistry
 
-    configure_process_env(args.threads, 2)
-    from vllm import EngineArgs, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.llm_engine import LLMEngine
-
+    from controller.config import SchedulingConfig
     from loadtest.machine import publish
-    from workers.control_params import SamplingControl
-    from workers.engine import find_logits_processor
-    from workers.model_store import resolve_model
-    from workers.sampling import EXTRA_ARGS_KEY, EntropicLogitsProcessor
+    from workers.config import EngineConfig, ReplicaConfig
+    from workers.control_params import PruningControl, SamplingControl
+    from workers.core import ReplicaCore
 
-    model = str(resolve_model(args.model))
-    import torch
+    def core(name: str, telemetry: bool) -> ReplicaCore:
+        config = ReplicaConfig(
+            model=args.model, telemetry=telemetry,
+            engine=EngineConfig(max_model_len=2048, max_num_seqs=args.batch, cpu_threads=args.threads),
+            sampling=SamplingControl(enabled=False, estimator=args.estimator), pruning=PruningControl(enabled=False),
+            scheduling=SchedulingConfig(enabled=False))  # only the sampling layer is measured
+        return ReplicaCore(config, replica_id=name, metrics_registry=CollectorRegistry())
 
-    from workers.hardware import resolve_dtype
-
-    common = dict(model=model, enforce_eager=True, max_model_len=2048, max_num_seqs=args.batch, seed=0,
-                  disable_log_stats=True, dtype=resolve_dtype("auto", torch.cuda.is_available()))
-    plain = LLMEngine.from_engine_args(EngineArgs(**common))
-    ours = LLMEngine.from_engine_args(EngineArgs(logits_processors=[EntropicLogitsProcessor], **common))
-    processor = find_logits_processor(ours, EntropicLogitsProcessor)
+    plain, ours = core("plain", False), core("ours", True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
-
-    def params(control: SamplingControl | None):
-        def make(rid: str, i: int) -> SamplingParams:
-            extra = {EXTRA_ARGS_KEY: control.engine_args(rid, 1.0)} if control else None
-            return SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=i,
-                                  output_kind=RequestOutputKind.DELTA, extra_args=extra)
-        return make
-
-    configs = {
-        "plain": (plain, params(None), None),
-        "observe": (ours, params(SamplingControl(enabled=False, estimator=args.estimator)), processor),
-        "control": (ours, params(SamplingControl(enabled=True, estimator=args.estimator)), processor),
-    }
-    for name, (engine, make, proc) in configs.items():  # warm-up, not measured
-        _run_batch(engine, make, prompts[:2], proc)
+    configs = {"plain": (plain, None), "observe": (ours, None), "control": (ours, {"enabled": True})}
     rounds: dict[str, list[dict]] = {name: [] for name in configs}
     names = list(configs)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no config always goes first
-            engine, make, proc = configs[name]
-            rounds[name].append(_run_batch(engine, make, prompts, proc))
-            print(f"round {r + 1}/{args.rounds} {name:8s} {rounds[name][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+
+    async def run() -> None:
+        for c in (plain, ours):
+            c.start()
+        for c, overrides in configs.values():  # warm-up, not measured
+            await _run_batch(c, prompts[:2], args.max_tokens, overrides)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no config always goes first
+                c, overrides = configs[name]
+                rounds[name].append(await _run_batch(c, prompts, args.max_tokens, overrides))
+                print(f"round {r + 1}/{args.rounds} {name:8s} {rounds[name][-1]['tokens_per_s']:.1f} tok/s",
+                      file=sys.stderr)
+
+    asyncio.run(run())
 
     def med(name: str, key: str) -> float:
         return st.median(x[key] for x in rounds[name])
 
-    keys = ("tokens_per_s", "ttft_s", "itl_s", "e2e_s", "decode_step_s", "estimator_share")
+    keys = ("tokens_per_s", "ttft_s", "itl_s", "e2e_s", "mean_step_s", "estimator_share")
     summary = {name: {k: med(name, k) for k in keys} for name in configs}
 
     def paired(name: str, key: str) -> float:
@@ -150,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         return st.median(x[key] / p[key] for x, p in zip(rounds[name], rounds["plain"]))
 
     ratios = {name: {"throughput": paired(name, "tokens_per_s"), "e2e_latency": paired(name, "e2e_s"),
-                     "itl": paired(name, "itl_s"), "decode_step": paired(name, "decode_step_s")}
+                     "itl": paired(name, "itl_s"), "mean_step": paired(name, "mean_step_s")}
               for name in configs if name != "plain"}
+    dtype = plain.runner.engine.model_config.dtype
     publish("loadtest.bench_sampling", argv, args.out,
-            {"settings": vars(args), "dtype": common["dtype"], "median": summary, "ratio_to_plain": ratios,
+            {"settings": vars(args), "dtype": str(dtype), "median": summary, "ratio_to_plain": ratios,
              "rounds": rounds}, _markdown)
     return 0
 
@@ -167,15 +156,15 @@ def _markdown(result: dict) -> str:
         f"torch {m['torch']}, vllm {m['vllm']}; {s['threads']} engine threads, dtype {result['dtype']}.", "",
         f"Batch {s['batch']} requests x {s['max_tokens']} tokens (ignore_eos), estimator `{s['estimator']}`, "
         f"medians over {s['rounds']} interleaved rounds (order rotated each round); ratios to plain are taken within each round, then the median.", "",
-        "| configuration | tokens/s | throughput vs plain | decode step (ms) | step vs plain | TTFT (s) | ITL (ms) "
+        "| configuration | tokens/s | throughput vs plain | mean step (ms) | step vs plain | TTFT (s) | ITL (ms) "
         "| e2e (s) | e2e vs plain | estimator share of step |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    one = {"throughput": 1.0, "e2e_latency": 1.0, "decode_step": 1.0}
+    one = {"throughput": 1.0, "e2e_latency": 1.0, "mean_step": 1.0}
     for name, row in result["median"].items():
         ratio = result["ratio_to_plain"].get(name, one)
         lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {ratio['throughput']:.3f} | "
-                     f"{1e3 * row['decode_step_s']:.1f} | {ratio['decode_step']:.3f} | {row['ttft_s']:.3f} | "
+                     f"{1e3 * row['mean_step_s']:.1f} | {ratio['mean_step']:.3f} | {row['ttft_s']:.3f} | "
                      f"{1e3 * row['itl_s']:.1f} | {row['e2e_s']:.2f} | {ratio['e2e_latency']:.3f} | "
                      f"{100 * row['estimator_share']:.2f}% |")
     lines += ["", "Goal (issue): sampling control costs <= 3% throughput at batch 16; estimator <= 2% of step time.", ""]

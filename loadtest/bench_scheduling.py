@@ -1,9 +1,11 @@
 """Benchmark: FCFS (plain vLLM) vs π(s) scheduling under open-loop Poisson arrivals above capacity.
 
-Same seeded arrival trace and prompts for both policies, interleaved over rounds:
-  fcfs  vLLM's LLMEngine as shipped (first come, first served)
-  pi    our EntropicScheduler + logits processor; π(s) from each request's entropy profile,
-        recomputed every control period exactly as a replica's local fallback does
+Same seeded arrival trace and prompts for both policies, interleaved over rounds, each replayed
+against a ``workers.core.ReplicaCore`` (the replica that serves, without Ray) as OpenAI chat requests:
+  fcfs  the scheduling layer off: vLLM's own first-come-first-served scheduler
+  pi    the scheduling layer on: our EntropicScheduler, π(s) from each request's entropy profile
+        computed by the replica's own control step (no controller: its local fallback)
+Sampling control and pruning are off in both; telemetry (the entropy of every token) runs in both.
 Workload: short chat questions, long-context questions (~1.5K-token passage), free-form
 generation. Greedy decoding with ignore_eos, so both policies produce the same tokens (checked).
 Reported per policy: mean and p99 end-to-end latency, mean TTFT, goodput (requests finished
@@ -14,14 +16,13 @@ within their class SLO per second), with ratios to FCFS.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics as st
 import sys
 import time
 from dataclasses import dataclass
 
-from controller.laws.priority import priorities
-from workers.tracking import GrantBoard, PriorityBoard, SequenceTrack
 
 FILLER = ("The committee met on a grey morning to review the harbour accounts, the repairs to the north pier "
           "and the schedule of the autumn ferries. ")
@@ -59,71 +60,40 @@ def make_trace(n: int, rate: float, seed: int) -> list[Job]:
     return jobs
 
 
-def run_policy(engine, tokenizer, jobs: list[Job], pi_control: dict | None) -> dict:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+async def run_policy(core, jobs: list[Job]) -> dict:
+    """Replay the trace against one replica core: each job is sent at its arrival time, as an OpenAI
+    chat request, through ``ReplicaCore.generate`` (the path a served request takes)."""
+    from deployments.protocol import EntropicChatCompletionRequest
 
-    from workers.control_params import SamplingControl
-    from workers.sampling import EXTRA_ARGS_KEY
+    scheduler = core.runner.scheduler
+    def counters() -> tuple[int, int]:  # cumulative on our scheduler; vLLM's own has neither
+        return getattr(scheduler, "priority_preemptions", 0), getattr(scheduler, "withheld_steps", 0)
 
-    control = SamplingControl(enabled=False)
-    scheduler = pi_control["scheduler"] if pi_control else None
-    counted = (scheduler.priority_preemptions, scheduler.withheld_steps) if scheduler else (0, 0)  # cumulative
-    pending = list(jobs)
+    counted = counters()
     start = time.monotonic()
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
-    tracks: dict[str, SequenceTrack] = {}
-    next_control = 0.0
-    while pending or engine.has_unfinished_requests():
-        now = time.monotonic() - start
-        while pending and pending[0].arrival <= now:
-            job = pending.pop(0)
-            ids = tokenizer.encode(tokenizer.apply_chat_template(
-                [{"role": "user", "content": job.prompt}], add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False)
-            extra = {EXTRA_ARGS_KEY: control.engine_args(job.rid, 0.0)} if pi_control else None
-            engine.add_request(job.rid, {"prompt_token_ids": ids}, SamplingParams(
-                temperature=0, max_tokens=job.max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
-                extra_args=extra))
-            tracks[job.rid] = SequenceTrack(time.monotonic(), time.monotonic(), len(ids), CLASSES[job.kind][1],
-                                            job.max_tokens)
-            tokens[job.rid] = []
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(0.01, pending[0].arrival - now)) if pending else 0.0)
-            continue
-        if pi_control and now >= next_control:
-            mono = time.monotonic()
-            states = {k: t.state(mono, pi_control["prior_drop"], pi_control["block_size"])
-                      for k, t in tracks.items() if k not in done}
-            pis = priorities(states, pi_control["weights"])
-            pi_control["board"].publish(pis)
-            if pi_control["grants"] is not None:
-                pi_control["grants"].renew(pis)
-            next_control = now + pi_control["period"]
-        for out in engine.step():
-            t_out = time.monotonic() - start
-            new = list(out.outputs[0].token_ids)
-            if new and out.request_id not in first:
-                first[out.request_id] = t_out
-            tokens[out.request_id] += new
-            if pi_control:
-                records = pi_control["processor"].records(out.request_id)
-                n = len(tokens[out.request_id])
-                delta = TrackDelta(entropy=[h for h, _ in records[n - len(new):n]], token_ids=new, completion_tokens=n)
-                tracks[out.request_id].observe(delta, time.monotonic(), pi_control["drop_ewma"])
-            if out.finished:
-                done[out.request_id] = t_out
-                if pi_control:
-                    pi_control["processor"].forget(out.request_id)
+
+    async def one(job: Job) -> None:
+        await asyncio.sleep(max(0.0, start + job.arrival - time.monotonic()))
+        request = EntropicChatCompletionRequest(messages=[{"role": "user", "content": job.prompt}],
+                                                max_tokens=job.max_tokens, temperature=0, ignore_eos=True)
+        out: list[int] = []
+        async for delta in core.generate("chat", request):
+            if delta.token_ids and job.rid not in first:
+                first[job.rid] = time.monotonic() - start
+            out += delta.token_ids
+        done[job.rid] = time.monotonic() - start
+        tokens[job.rid] = out
+
+    await asyncio.gather(*(one(job) for job in jobs))
     wall = time.monotonic() - start
     by_id = {j.rid: j for j in jobs}
+    after = counters()
     return {**latency_stats([(by_id[r].kind, done[r] - by_id[r].arrival, first[r] - by_id[r].arrival) for r in done],
                             wall),
-            "preemptions": scheduler.priority_preemptions - counted[0] if scheduler else 0,
-            "withheld_steps": scheduler.withheld_steps - counted[1] if scheduler else 0,
-            "tokens": tokens}
+            "preemptions": after[0] - counted[0], "withheld_steps": after[1] - counted[1], "tokens": tokens}
 
 
 def latency_stats(rows: list[tuple[str, float, float]], wall: float) -> dict:
@@ -145,18 +115,6 @@ def median_summary(results: dict[str, list[dict]], keys: tuple[str, ...]) -> dic
     return summary
 
 
-@dataclass
-class TrackDelta:
-    """The fields of workers.engine.Delta that SequenceTrack.observe reads (benchmarks drive LLMEngine directly)."""
-
-    entropy: list[float]
-    token_ids: list[int]
-    completion_tokens: int
-    temperature: tuple = ()
-    entropic_time: float = 0.0
-    mean_entropy: float = 0.0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=1.2, help="Poisson arrival rate, requests/s")
@@ -174,53 +132,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/benchmarks/scheduling")
     args = parser.parse_args(argv)
 
-    from workers.engine import configure_process_env
-
-    configure_process_env(args.threads, 2)
-    import torch
-    from vllm import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    from deployments.config import SchedulingConfig
+    from controller.config import SchedulingConfig
     from loadtest.machine import publish
-    from workers.engine import find_logits_processor
-    from workers.hardware import resolve_dtype
-    from workers.model_store import resolve_model
-    from workers.sampling import EntropicLogitsProcessor
+    from workers.config import EngineConfig, ReplicaConfig
+    from workers.control_params import PruningControl, SamplingControl
+    from workers.core import ReplicaCore
 
-    common = dict(model=str(resolve_model("default")), enforce_eager=True, max_model_len=4096, seed=0,
-                  max_num_seqs=args.max_num_seqs, disable_log_stats=True,
-                  dtype=resolve_dtype("auto", torch.cuda.is_available()))
-    fcfs = LLMEngine.from_engine_args(EngineArgs(**common))
-    ours = LLMEngine.from_engine_args(EngineArgs(
-        **common, logits_processors=[EntropicLogitsProcessor], scheduling_policy="priority",
-        scheduler_cls="workers.scheduler.EntropicScheduler"))
     overrides = {k: v for k, v in (("preempt_margin", args.preempt_margin), ("alpha", args.alpha),
                                    ("delta", args.delta), ("grant_slots", args.grant_slots)) if v is not None}
     scheduling = SchedulingConfig(**overrides)
-    scheduler = ours.engine_core.engine_core.scheduler
-    scheduler.board = PriorityBoard()
-    scheduler.grants = GrantBoard(scheduling.grant_policy()) if scheduling.grant_slots else None
-    scheduler.preempt_margin = scheduling.preempt_margin
-    pi_control = {"board": scheduler.board, "grants": scheduler.grants, "scheduler": scheduler, "weights": scheduling.weights(),
-                  "prior_drop": scheduling.prior_drop, "drop_ewma": scheduling.drop_ewma, "period": 0.05,
-                  "block_size": ours.vllm_config.cache_config.block_size,
-                  "processor": find_logits_processor(ours, EntropicLogitsProcessor)}
-    tokenizer = fcfs.get_tokenizer()
+
+    def core(name: str, scheduling_on: bool) -> ReplicaCore:
+        # Only the scheduling layer differs between the two: sampling control and pruning are off in both
+        # (greedy requests, ~1.5K-token prompts), telemetry runs in both, as it does when serving.
+        config = ReplicaConfig(
+            engine=EngineConfig(max_model_len=4096, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads,
+                                kv_cache_space_gib=2),
+            sampling=SamplingControl(enabled=False), pruning=PruningControl(enabled=False),
+            scheduling=scheduling.model_copy(update={"enabled": scheduling_on}))
+        return ReplicaCore(config, replica_id=name, metrics_registry=CollectorRegistry())
+
+    from prometheus_client import CollectorRegistry
+
+    cores = {"fcfs": core("fcfs", False), "pi": core("pi", True)}
     jobs = make_trace(args.requests, args.rate, args.seed)
     warm = make_trace(3, 100.0, 99)
-    run_policy(fcfs, tokenizer, warm, None)
-    run_policy(ours, tokenizer, warm, pi_control)
 
     results: dict[str, list[dict]] = {"fcfs": [], "pi": []}
     order = ["fcfs", "pi"]
-    for r in range(args.rounds):
-        for name in order[r % 2:] + order[:r % 2]:
-            engine, ctl = (fcfs, None) if name == "fcfs" else (ours, pi_control)
-            results[name].append(run_policy(engine, tokenizer, jobs, ctl))
-            x = results[name][-1]
-            print(f"round {r + 1}/{args.rounds} {name:4s} mean e2e {x['mean_e2e_s']:.2f}s p99 {x['p99_e2e_s']:.2f}s "
-                  f"goodput {x['goodput_rps']:.3f}/s", file=sys.stderr)
+
+    async def rounds() -> None:
+        for c in cores.values():
+            c.start()
+            await run_policy(c, warm)
+        for r in range(args.rounds):
+            for name in order[r % 2:] + order[:r % 2]:
+                results[name].append(await run_policy(cores[name], jobs))
+                x = results[name][-1]
+                print(f"round {r + 1}/{args.rounds} {name:4s} mean e2e {x['mean_e2e_s']:.2f}s p99 {x['p99_e2e_s']:.2f}s "
+                      f"goodput {x['goodput_rps']:.3f}/s", file=sys.stderr)
+
+    asyncio.run(rounds())
 
     same = [sum(a["tokens"][k] == b["tokens"][k] for k in a["tokens"]) / len(a["tokens"])
             for a, b in zip(results["fcfs"], results["pi"])]
@@ -240,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 def _markdown(result: dict) -> str:
     m, s, med, ratio = result["machine"], result["settings"], result["median"], result["ratio_pi_to_fcfs"]
     lines = [
-        "# π(s) scheduling vs FCFS (plain vLLM) under Poisson arrivals", "",
+        "# π(s) scheduling vs FCFS (the scheduling layer off: vLLM's own scheduler) under Poisson arrivals", "",
         f"Command: `{result['command']}` (run {result['date']})", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
         f"vllm {m['vllm']}; {s['threads']} engine threads, max_num_seqs {s['max_num_seqs']}.", "",

@@ -3,13 +3,13 @@
     make calibration-stress             (writes docs/results/calibration.{md,json})
 
 Miscalibration is induced by multiplying the logits by s before anything reads them
-(``workers.fidelity.LogitScale``): s > 1 overconfident (entropy drops, argmax unchanged), s < 1
+(``loadtest.instruments.LogitScale``): s > 1 overconfident (entropy drops, argmax unchanged), s < 1
 underconfident. For each s:
 
 1. T_cal is fitted post hoc (``controller.laws.calibration``) on held-out real text (Python's own
    documentation, an offset no test or prompt uses): the NLL-minimising temperature of the scaled
    logits of the default model (transformers, float32).
-2. On the real engine (our pruned backend, greedy decoding, passkeys hidden at three depths in
+2. On the replica that serves (``workers.core.ReplicaCore``: our pruned backend, greedy decoding, passkeys hidden at three depths in
    ~4K and ~7K tokens of filler, one warm prefix cache for every run), five runs: dense, and
    pruning under an aggressive law with no guard, with the guards (H_min, B_min), with T_cal, with
    both. Reported: passkey accuracy, fraction of KV blocks attended (pruning aggressiveness), and the
@@ -18,12 +18,12 @@ underconfident. For each s:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import re
 import statistics as st
 
 from controller.laws.calibration import fit_temperature
-from loadtest.pruned_requests import generate_counting_kept, greedy_params
 from loadtest.workload import passkey_prompt
 from workers.control_params import PruningControl
 
@@ -60,32 +60,52 @@ def fit_calibrations(model_dir: str, scales: list[float], tokens: int) -> dict[f
     return out
 
 
-def _engine(model_dir: str):
+def _core(model: str):
+    """The replica that serves (``workers.core.ReplicaCore``) with the logit-scaling instrument in front
+    of our processor, so every layer reads the scaled logits."""
     from workers.engine import configure_process_env
 
-    configure_process_env(2, 4)
-    from vllm import LLM
+    configure_process_env(2, 4)  # before vLLM is imported (workers.sampling imports it)
+    from prometheus_client import CollectorRegistry
 
-    from workers.fidelity import LogitScale
+    from controller.config import SchedulingConfig
+    from loadtest.instruments import LogitScale
+    from workers.config import EngineConfig, ReplicaConfig
+    from workers.core import ReplicaCore
     from workers.sampling import EntropicLogitsProcessor
 
-    return LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=8192, max_num_seqs=4, seed=0,
-               logits_processors=[LogitScale, EntropicLogitsProcessor])
+    config = ReplicaConfig(model=model, engine=EngineConfig(max_model_len=8192, max_num_seqs=4, dtype="float32",
+                                                            cpu_threads=2, kv_cache_space_gib=4),
+                           scheduling=SchedulingConfig(enabled=False))
+    return ReplicaCore(config, replica_id="calibration", metrics_registry=CollectorRegistry(),
+                       logits_processors=[LogitScale, EntropicLogitsProcessor])
 
 
-def _run(llm, prompts: list[str], keys: list[int], scale: float, pruning: PruningControl | None, t_cal: float,
-         max_tokens: int) -> dict[str, float]:
-    from workers.engine import find_logits_processor
-    from workers.sampling import EntropicLogitsProcessor
+async def _run(core, prompts: list[str], keys: list[int], scale: float, pruning: PruningControl | None, t_cal: float,
+               max_tokens: int) -> dict[str, float]:
+    """The passkey prompts at once, greedy, through ``ReplicaCore.generate``."""
+    from deployments.protocol import EntropicCompletionRequest
+    from workers.pruning_state import STATE
 
-    params, ids = zip(*[greedy_params(max_tokens, pruning, t_cal=t_cal, fidelity={"scale": scale}) for _ in prompts])
-    outs, kept = generate_counting_kept(llm, prompts, params)
-    processor = find_logits_processor(llm.llm_engine, EntropicLogitsProcessor)
-    entropies = [h for key in ids for h, _ in processor.records(key) if math.isfinite(h)]
-    for key in ids:
-        processor.forget(key)
-    return {"passkey": st.mean(str(k) in o.outputs[0].text for o, k in zip(outs, keys)),
-            "kept": kept,
+    overrides = {"t_cal": t_cal, "pruning": pruning.model_dump() if pruning is not None else {"enabled": False}}
+    texts: list[str] = []
+    entropies: list[float] = []
+    kept, total = STATE.stats.blocks_kept, STATE.stats.blocks_total
+
+    async def one(prompt: str) -> None:
+        request = EntropicCompletionRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                            vllm_xargs={"fidelity_scale": scale})
+        text = ""
+        async for delta in core.generate("completion", request, overrides):
+            text += delta.text
+            entropies.extend(h for h in delta.entropy if math.isfinite(h))
+        texts.append(text)
+
+    for prompt in prompts:
+        await one(prompt)  # one at a time: texts stay in prompt order
+    total = STATE.stats.blocks_total - total
+    return {"passkey": st.mean(str(k) in t for t, k in zip(texts, keys)),
+            "kept": (STATE.stats.blocks_kept - kept) / total if total else 1.0,
             "entropy_mean": st.mean(entropies), "entropy_std": st.pstdev(entropies)}
 
 
@@ -107,24 +127,29 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(resolve_model(args.model))
     fits = fit_calibrations(model_dir, args.scales, args.fit_tokens)
-    llm = _engine(model_dir)
+    core = _core(args.model)
     cases = [(reps, depth) for reps in args.reps for depth in args.depths]
     keys = [10007 + 7919 * i for i in range(len(cases))]
     prompts = [passkey_prompt(reps, depth, key) for (reps, depth), key in zip(cases, keys)]
-    prompt_tokens = [len(llm.get_tokenizer().encode(p)) for p in prompts]
-    _run(llm, prompts, keys, 1.0, None, 1.0, 1)  # warm the prefix cache once for every run below
+    prompt_tokens = [len(core.runner.tokenizer.encode(p)) for p in prompts]
 
     guarded = NAIVE.merged(GUARDS)
     conditions = [("dense", None, False), ("no guard", NAIVE, False), ("guards", guarded, False),
                   ("T_cal", NAIVE, True), ("T_cal + guards", guarded, True)]
     rows = []
-    with tqdm(total=len(args.scales) * len(conditions), desc="calibration stress") as bar:
-        for s in args.scales:
-            for name, pruning, calibrated in conditions:
-                t_cal = fits[s]["t_cal"] if calibrated else 1.0
-                rows.append({"scale": s, "condition": name, "t_cal": t_cal,
-                             **_run(llm, prompts, keys, s, pruning, t_cal, args.max_tokens)})
-                bar.update()
+
+    async def runs() -> None:
+        core.start()
+        await _run(core, prompts, keys, 1.0, None, 1.0, 1)  # warm the prefix cache once for every run below
+        with tqdm(total=len(args.scales) * len(conditions), desc="calibration stress") as bar:
+            for s in args.scales:
+                for name, pruning, calibrated in conditions:
+                    t_cal = fits[s]["t_cal"] if calibrated else 1.0
+                    rows.append({"scale": s, "condition": name, "t_cal": t_cal,
+                                 **await _run(core, prompts, keys, s, pruning, t_cal, args.max_tokens)})
+                    bar.update()
+
+    asyncio.run(runs())
 
     def render(result: dict) -> str:
         m, n = result["machine"], result["naive"]

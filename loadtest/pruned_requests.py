@@ -2,7 +2,7 @@
 
 ``greedy_params`` builds the SamplingParams the way ``workers.prompts.sampling_params`` does for a
 served request (our ``entropic`` args, the pruning args, vLLM's raw logprob of each sampled token when
-the pruner needs surprisal), plus the optional ``fidelity`` args of ``workers.fidelity``.
+the pruner needs surprisal), plus the optional fidelity args of ``loadtest.instruments``.
 ``generate_counting_kept`` runs a batch and returns the share of KV blocks the pruner attended.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ def greedy_params(max_tokens: int, pruning: PruningControl | None = None, *, t_c
     if pruning_args is not None:
         entropic["pruning"] = pruning_args
     extra: dict[str, Any] = {"entropic": entropic}
-    if fidelity is not None:
-        extra["fidelity"] = {"key": key, **fidelity}
+    if fidelity is not None:  # loadtest.instruments: {"scale": s} or {"force": [ids]}
+        extra.update({f"fidelity_{k}": v for k, v in fidelity.items()}, fidelity_key=key)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
     if pruning is not None and pruning.wants_surprisal(context_tokens):
         params.logprobs = 0

@@ -1,48 +1,73 @@
-"""The controller's answers, on the controller class itself (outside Serve: its methods are plain
-Python; Serve only hosts it): π and decode-step grants for a replica's sequences, the routing view."""
+"""The controller's answers, on the plain controller class (``controller.service``; Serve only hosts it):
+π and decode-step grants for a replica's sequences, the routing view, and typed messages that refuse
+a misspelt field."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
+import pytest
+
+from controller.config import SchedulingConfig
+from controller.messages import ReplicaLoad, SequenceState, TelemetryReport
 from controller.service import EntropyController
 
 
-def _controller(**scheduling):
-    return EntropyController.func_or_class({"scheduling": scheduling})
+def _controller(**scheduling) -> EntropyController:
+    return EntropyController(SchedulingConfig(**scheduling))
 
 
-def _sequence(expected_drop: float, remaining: float, waited: float = 0.0) -> dict:
-    return {"expected_drop": expected_drop, "attended_tokens": 200.0, "kv_blocks": 2.0, "waited_s": waited,
-            "slo_s": 30.0, "remaining_tokens": remaining}
+def _sequence(expected_drop: float, remaining: float, waited: float = 0.0) -> SequenceState:
+    return SequenceState(expected_drop=expected_drop, attended_tokens=200.0, kv_blocks=2.0, waited_s=waited,
+                         slo_s=30.0, remaining_tokens=remaining)
 
 
-def _report(**sequences) -> dict:
-    return {"sent_at": time.time(), "sequences": sequences, "running": len(sequences), "waiting": 0,
-            "max_num_seqs": 4, "step_s": 0.05, "remaining": [s["remaining_tokens"] for s in sequences.values()]}
+def _report(replica: str, **sequences: SequenceState) -> TelemetryReport:
+    load = ReplicaLoad(running=len(sequences), waiting=0, max_num_seqs=4, step_s=0.05, unit_step_s=0.04,
+                       remaining=tuple(s.remaining_tokens for s in sequences.values()))
+    return TelemetryReport(replica_id=replica, node_id="n", sent_at=time.time(), sequences=sequences, summaries={},
+                           load=load, routing_stats_polls=0, leases=None)
 
 
 def test_the_controller_grants_leases_to_the_highest_priorities_of_each_replica():
     controller = _controller(grant_slots=1, grant_lease_steps=4)
-    answer = controller.report("r1", _report(a=_sequence(0.1, 500), b=_sequence(0.8, 20), c=_sequence(0.3, 200)))
-    assert max(answer["priorities"], key=answer["priorities"].get) == "b"
-    assert answer["granted"] == ["b"]
-    other = controller.report("r2", _report(d=_sequence(0.05, 500)))
-    assert other["granted"] == ["d"]  # slots are per replica: each engine runs its own batch
+    answer = controller.report(_report("r1", a=_sequence(0.1, 500), b=_sequence(0.8, 20), c=_sequence(0.3, 200)))
+    assert max(answer.priorities, key=answer.priorities.__getitem__) == "b"
+    assert answer.granted == ("b",)
+    other = controller.report(_report("r2", d=_sequence(0.05, 500)))
+    assert other.granted == ("d",)  # slots are per replica: each engine runs its own batch
     # Everything is in the debug view, ranked cluster-wide.
     profiles = controller.profiles()
     assert profiles["r1"]["granted"] == ["b"] and profiles["r1"]["ranks"]["b"] == 1
     assert profiles["r2"]["ranks"]["d"] == 4
+    assert profiles["r1"]["load"]["running"] == 3
 
 
 def test_without_grant_slots_the_answer_carries_no_grants():
-    answer = _controller().report("r1", _report(a=_sequence(0.1, 10)))
-    assert set(answer) == {"priorities"}
+    answer = _controller().report(_report("r1", a=_sequence(0.1, 10)))
+    assert answer.granted is None and set(answer.priorities) == {"a"}
+
+
+def test_lag_counts_as_waiting():
+    controller = _controller()
+    fresh = controller.report(_report("r1", a=_sequence(0.1, 10)))
+    late = controller.report(dataclasses.replace(_report("r1", a=_sequence(0.1, 10)), sent_at=time.time() - 10))
+    assert late.priorities["a"] > fresh.priorities["a"]  # aging: π doubles every aging_s waited
 
 
 def test_the_routing_view_has_each_live_replicas_load_and_its_age():
     controller = _controller()
-    controller.report("r1", _report(a=_sequence(0.1, 10), b=_sequence(0.2, 30)))
-    view = controller.routing_view()["replicas"]
-    assert view["r1"]["running"] == 2 and view["r1"]["max_num_seqs"] == 4
-    assert sorted(view["r1"]["remaining"]) == [10, 30]
-    assert 0.0 <= view["r1"]["age_s"] < 5.0
+    controller.report(_report("r1", a=_sequence(0.1, 10), b=_sequence(0.2, 30)))
+    view = controller.routing_view()
+    assert view.loads["r1"].running == 2 and view.loads["r1"].max_num_seqs == 4
+    assert sorted(view.loads["r1"].remaining) == [10, 30]
+    assert 0.0 <= view.ages_s["r1"] < 5.0
+
+
+def test_messages_refuse_unknown_and_missing_fields():
+    with pytest.raises(TypeError):
+        ReplicaLoad(running=1, waiting=0, max_num_seqs=4, step_s=0.1, unit_step_s=0.1, remainig=(1,))
+    with pytest.raises(TypeError):
+        ReplicaLoad(running=1, waiting=0, max_num_seqs=4, step_s=0.1)  # unit_step_s missing
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _report("r1").replica_id = "r2"  # type: ignore[misc]

@@ -28,7 +28,7 @@ def llm(model_dir):
     configure_process_env(2, 4)
     from vllm import LLM
 
-    from workers.fidelity import LogitScale, TeacherForcing
+    from loadtest.instruments import LogitScale, TeacherForcing
     from workers.pruned_attention import PrunedCPUAttentionBackend
     from workers.pruning_state import STATE
     from workers.sampling import EntropicLogitsProcessor
@@ -95,7 +95,7 @@ def _real_text(tokens: int, offset: int) -> str:
 
 
 def test_teacher_forced_agreement_and_kl(llm):
-    from workers.fidelity import TeacherForcing
+    from loadtest.instruments import TeacherForcing
 
     prompts = [_real_text(3000, 0), _real_text(3000, 200_000)]
     _generate(llm, prompts, None, 1)

@@ -3,13 +3,19 @@ import time
 
 import httpx
 
-from controller.laws.routing import batch_factor, expected_delay, rank, unit_step_s
+from controller.laws.routing import ReplicaLoad, batch_factor, expected_delay, rank, unit_step_s
+
+
+def _load(running: int = 0, waiting: int = 0, max_num_seqs: int = 1, step_s: float = 0.0, unit_step_s: float = 0.0,
+          remaining: tuple = ()) -> ReplicaLoad:
+    return ReplicaLoad(running=running, waiting=waiting, max_num_seqs=max_num_seqs, step_s=step_s,
+                       unit_step_s=unit_step_s, remaining=tuple(remaining))
 
 
 def test_delay_grows_with_load_and_step_time():
-    idle = {"running": 0, "waiting": 0, "max_num_seqs": 4, "unit_step_s": 0.1}
-    busy = {"running": 4, "waiting": 3, "max_num_seqs": 4, "unit_step_s": 0.1}
-    slow = {**busy, "unit_step_s": 0.3}
+    idle = _load(running=0, waiting=0, max_num_seqs=4, unit_step_s=0.1)
+    busy = _load(running=4, waiting=3, max_num_seqs=4, unit_step_s=0.1)
+    slow = _load(running=4, waiting=3, max_num_seqs=4, unit_step_s=0.3)
     assert expected_delay(idle) == 0.1 * batch_factor(1, 4)  # one step, in a batch of one
     assert expected_delay(idle) < expected_delay(idle, ongoing=2) < expected_delay(busy) < expected_delay(slow)
     assert expected_delay(busy, ongoing=2) == expected_delay(busy)  # the report already covers them
@@ -17,40 +23,43 @@ def test_delay_grows_with_load_and_step_time():
 
 def test_unit_step_time_is_derived_when_a_replica_does_not_report_it():
     # Serve's polled stats from an older replica: step_s measured at a batch of 2 of 4.
-    assert unit_step_s({"running": 2, "max_num_seqs": 4, "step_s": 0.15}) == 0.15 / batch_factor(2, 4)
-    assert unit_step_s({"running": 2, "max_num_seqs": 4, "step_s": 0.15, "unit_step_s": 0.07}) == 0.07
+    assert unit_step_s(_load(running=2, max_num_seqs=4, step_s=0.15)) == 0.15 / batch_factor(2, 4)
+    assert unit_step_s(_load(running=2, max_num_seqs=4, step_s=0.15, unit_step_s=0.07)) == 0.07
 
 
 def test_the_wait_follows_the_remaining_work_the_controller_knows():
     # A: full, every running sequence far from done. B: full with a longer queue, but its sequences
     # finish within a few steps. Counting requests alone would pick A; B serves a new request first.
-    a = {"running": 4, "waiting": 0, "max_num_seqs": 4, "unit_step_s": 0.05, "remaining": [400, 450, 500, 512]}
-    b = {"running": 4, "waiting": 2, "max_num_seqs": 4, "unit_step_s": 0.05, "remaining": [3, 5, 8, 9]}
+    a = _load(running=4, waiting=0, max_num_seqs=4, unit_step_s=0.05, remaining=(400, 450, 500, 512))
+    b = _load(running=4, waiting=2, max_num_seqs=4, unit_step_s=0.05, remaining=(3, 5, 8, 9))
     full_step = 0.05 * batch_factor(4, 4)
     assert expected_delay(a) == full_step * 400 + full_step
     assert expected_delay(b) == full_step * 8 + full_step  # its place is the third slot to free
     assert rank([("a", a, 0, 0), ("b", b, 0, 0)]) == ["b", "a"]
-    a_counts_only = {k: v for k, v in a.items() if k != "remaining"}
-    b_counts_only = {k: v for k, v in b.items() if k != "remaining"}
+    a_counts_only = _load(running=4, waiting=0, max_num_seqs=4, unit_step_s=0.05)
+    b_counts_only = _load(running=4, waiting=2, max_num_seqs=4, unit_step_s=0.05)
     assert rank([("a", a_counts_only, 0, 0), ("b", b_counts_only, 0, 0)]) == ["a", "b"]
     # Beyond one wave of slots, each further place costs the mean remaining over the slots.
     assert expected_delay(b, reserved=3) == full_step * (9 + (25 / 4) * 2 / 4) + full_step
 
 
 def test_speed_and_load_trade_off_among_replicas_with_free_slots():
-    same_speed = {"max_num_seqs": 16, "waiting": 0, "unit_step_s": 0.03}
+    def same_speed(running: int, step_s: float = 0.0) -> ReplicaLoad:
+        return _load(running=running, max_num_seqs=16, unit_step_s=0.03, step_s=step_s)
+
+    def fast(running: int) -> ReplicaLoad:
+        return _load(running=running, max_num_seqs=16, unit_step_s=0.02)
+
     # Identical replicas: the emptier one, whatever their last steps cost.
-    assert rank([("a", {**same_speed, "running": 1, "step_s": 0.02}, 0, 0),
-                 ("b", {**same_speed, "running": 0, "step_s": 0.09}, 0, 0)]) == ["b", "a"]
+    assert rank([("a", same_speed(1, 0.02), 0, 0), ("b", same_speed(0, 0.09), 0, 0)]) == ["b", "a"]
     # A replica 1.5x faster takes a request even with one more sequence, not with twelve more.
-    fast = {"max_num_seqs": 16, "waiting": 0, "unit_step_s": 0.02}
-    assert rank([("a", {**fast, "running": 1}, 0, 0), ("b", {**same_speed, "running": 0}, 0, 0)]) == ["a", "b"]
-    assert rank([("a", {**fast, "running": 12}, 0, 0), ("b", {**same_speed, "running": 0}, 0, 0)]) == ["b", "a"]
+    assert rank([("a", fast(1), 0, 0), ("b", same_speed(0), 0, 0)]) == ["a", "b"]
+    assert rank([("a", fast(12), 0, 0), ("b", same_speed(0), 0, 0)]) == ["b", "a"]
 
 
 def test_reservations_split_a_burst_evenly():
     """A burst is routed before any of it is sent or reported: each choice reserves its replica."""
-    idle = {"running": 0, "waiting": 0, "max_num_seqs": 16, "unit_step_s": 0.05}
+    idle = _load(running=0, waiting=0, max_num_seqs=16, unit_step_s=0.05)
     reserved = {"a": 0, "b": 0}
     for _ in range(6):
         top = rank([(r, idle, 0, reserved[r]) for r in ("a", "b")])[0]
@@ -59,8 +68,8 @@ def test_reservations_split_a_burst_evenly():
 
 
 def test_rank_puts_replicas_with_no_known_load_last():
-    a = {"running": 4, "waiting": 2, "max_num_seqs": 4, "step_s": 0.1}
-    b = {"running": 1, "waiting": 0, "max_num_seqs": 4, "step_s": 0.1}
+    a = _load(running=4, waiting=2, max_num_seqs=4, step_s=0.1)
+    b = _load(running=1, waiting=0, max_num_seqs=4, step_s=0.1)
     assert rank([("a", a, 0, 0), ("b", b, 0, 0), ("c", None, 0, 0)]) == ["b", "a", "c"]
     assert rank([("a", a, 0, 0), ("b", b, 9, 0)]) == ["a", "b"]  # what this router has in flight on b counts
 
@@ -69,15 +78,18 @@ def test_stale_loads_are_ignored():
     from deployments.routing import _fresh
     from deployments.routing_view import STALE_AFTER_S, ControllerView
 
-    busy = {"at": 100.0, "running": 4, "waiting": 9, "max_num_seqs": 4, "step_s": 0.1}
-    assert _fresh(busy, 100.5) == busy
-    assert _fresh(busy, 100.0 + STALE_AFTER_S + 1) == {**busy, "running": 0, "waiting": 0, "remaining": []}
+    from controller.messages import RoutingView
+
+    busy = {"at": 100.0, "running": 4, "waiting": 9, "max_num_seqs": 4, "step_s": 0.1, "unit_step_s": 0.05}
+    assert _fresh(busy, 100.5) == _load(running=4, waiting=9, max_num_seqs=4, step_s=0.1, unit_step_s=0.05)
+    assert _fresh(busy, 100.0 + STALE_AFTER_S + 1) == _load(max_num_seqs=4, step_s=0.1, unit_step_s=0.05)
     assert _fresh({}, 1.0) is None
 
     view = ControllerView()
-    view.publish({"replicas": {"r1": {"running": 2, "age_s": 0.5}, "r2": {"running": 1, "age_s": STALE_AFTER_S + 0.1}}},
+    r1 = _load(running=2)
+    view.publish(RoutingView(loads={"r1": r1, "r2": _load(running=1)}, ages_s={"r1": 0.5, "r2": STALE_AFTER_S + 0.1}),
                  now=10.0)
-    assert view.load("r1", now=10.0) == {"running": 2, "age_s": 0.5}
+    assert view.load("r1", now=10.0) == r1
     assert view.load("r2", now=10.0) is None  # the controller itself had not heard from r2 for too long
     assert view.load("r1", now=10.0 + STALE_AFTER_S) is None  # the poll itself is too old (controller down)
     assert view.load("r3", now=10.0) is None

@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from controller.laws.entropic_time import EntropyTrace
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed
@@ -86,16 +87,22 @@ class EngineRunner:
     """
 
     def __init__(self, engine_kwargs: dict[str, Any], on_step: StepObserver | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, logits_processors: Sequence[type] = (),
+                 telemetry: bool = True) -> None:
+        """``telemetry`` False: no entropy logits processor, so the engine is vLLM's as shipped (and
+        every ``Delta`` has empty entropy). ``logits_processors``: more processors, in the order vLLM
+        applies them; ours runs first unless the list names ``EntropicLogitsProcessor`` elsewhere."""
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from workers.sampling import EntropicLogitsProcessor
 
-        self.engine = LLMEngine.from_engine_args(
-            EngineArgs(logits_processors=[EntropicLogitsProcessor], **engine_kwargs)
-        )
-        self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor)
+        processors = [p for p in logits_processors if p is not EntropicLogitsProcessor]
+        if telemetry:
+            at = list(logits_processors).index(EntropicLogitsProcessor) if EntropicLogitsProcessor in logits_processors else 0
+            processors.insert(at, EntropicLogitsProcessor)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
+        self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor) if telemetry else None
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
         self._on_step = on_step
@@ -109,6 +116,11 @@ class EngineRunner:
         self.heartbeat = time.monotonic()  # last time the loop went round (idle waits included)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def estimator_seconds(self) -> float:
+        """Time the entropy processor has spent estimating, cumulative."""
+        return self.processor.estimator_seconds if self.processor is not None else 0.0
 
     @property
     def alive(self) -> bool:
@@ -206,7 +218,8 @@ class EngineRunner:
             self._forget(request_id)
 
     def _forget(self, key: str) -> None:
-        self.processor.forget(key)
+        if self.processor is not None:
+            self.processor.forget(key)
         PRUNING.forget(key)
 
     def _drain_commands(self) -> None:
@@ -227,14 +240,14 @@ class EngineRunner:
                 if not self.engine.has_unfinished_requests():
                     continue
                 started = time.perf_counter()
-                estimator_before = self.processor.estimator_seconds
+                estimator_before = self.estimator_seconds
                 outputs = self.engine.step()
                 self.steps += 1
                 step_seconds = time.perf_counter() - started
                 produced = [d for d in (self._deliver_isolated(o) for o in outputs) if d is not None]
                 if self._on_step is not None:
                     try:
-                        self._on_step(step_seconds, self.processor.estimator_seconds - estimator_before, produced)
+                        self._on_step(step_seconds, self.estimator_seconds - estimator_before, produced)
                     except Exception:  # observers must never stop serving
                         logger.exception("step observer failed")
         except BaseException as exc:  # the engine's state is unknown: stop, and say so to everyone at once
@@ -268,7 +281,8 @@ class EngineRunner:
             return None
         completion = output.outputs[0]
         new_ids = list(completion.token_ids)
-        records = self.processor.records(stream.key)[stream.emitted : stream.emitted + len(new_ids)]
+        records = (self.processor.records(stream.key) if self.processor is not None else [])[
+            stream.emitted : stream.emitted + len(new_ids)]
         entropy = [h for h, _ in records]
         temperature = [t for _, t in records]
         for h in entropy:

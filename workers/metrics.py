@@ -11,7 +11,7 @@ import math
 import statistics
 from collections import deque
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from controller.laws.priority import ewma
 from controller.laws.routing import batch_factor
@@ -25,11 +25,14 @@ _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.
 
 
 class ReplicaMetrics:
-    def __init__(self, model_name: str, max_num_seqs: int = 1) -> None:
+    def __init__(self, model_name: str, max_num_seqs: int = 1, registry: CollectorRegistry = REGISTRY) -> None:
+        """``registry``: the process's default one when serving (vLLM's own series are there too); a
+        benchmark running several replica cores in one process gives each its own."""
+        self.registry = registry
         self.max_num_seqs = max_num_seqs
         self._unit_steps: deque[float] = deque(maxlen=64)
         def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
-            return Histogram(name, documentation, ["model_name"], buckets=buckets).labels(model_name)
+            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=registry).labels(model_name)
 
         self._entropy = histogram("entropic_token_entropy_nats",
                                   "Entropy estimate H_t of each generated token's distribution", _ENTROPY_BUCKETS)
@@ -41,27 +44,27 @@ class ReplicaMetrics:
                                     "Time spent estimating entropy in one engine step", _SECONDS_BUCKETS)
         self._step = histogram("entropic_engine_step_seconds", "Wall time of one engine step", _SECONDS_BUCKETS)
         self._tokens = Counter("entropic_tokens", "Generated tokens that carried entropy telemetry",
-                               ["model_name"]).labels(model_name)
+                               ["model_name"], registry=registry).labels(model_name)
         self._priority = Histogram("entropic_priority", "π(s) published to the scheduler, per sequence and control period",
-                                   ["model_name", "source"], buckets=_PRIORITY_BUCKETS)
+                                   ["model_name", "source"], buckets=_PRIORITY_BUCKETS, registry=registry)
         self._priority_sources = {src: self._priority.labels(model_name, src) for src in ("controller", "local")}
         self._kept_ratio = histogram("entropic_kv_blocks_kept_ratio",
                                      "KV blocks attended / blocks held, per decode step of a pruning-enabled request",
                                      _RATIO_BUCKETS)
         self._flops_saved = Counter("entropic_attention_flops_saved", "Attention FLOPs not computed thanks to KV pruning",
-                                    ["model_name"]).labels(model_name)
+                                    ["model_name"], registry=registry).labels(model_name)
         self._bytes_saved = Counter("entropic_kv_bytes_saved", "KV-cache bytes not read thanks to KV pruning",
-                                    ["model_name"]).labels(model_name)
+                                    ["model_name"], registry=registry).labels(model_name)
         self._selection = Counter("entropic_pruning_selection_seconds", "Time spent choosing KV blocks (all layers)",
-                                  ["model_name"]).labels(model_name)
+                                  ["model_name"], registry=registry).labels(model_name)
         self._pruning_seen = (0.0, 0.0, 0.0)
         self._grants = Counter("entropic_grants_renewed", "Decode-step leases renewed (sequences moved into the "
-                               "granted set) by the control loop", ["model_name"]).labels(model_name)
+                               "granted set) by the control loop", ["model_name"], registry=registry).labels(model_name)
         self._withheld = Counter("entropic_grant_withheld_steps", "Running sequences left out of an engine step "
-                                 "for lack of a decode-step grant", ["model_name"]).labels(model_name)
+                                 "for lack of a decode-step grant", ["model_name"], registry=registry).labels(model_name)
         self._grants_seen = (0, 0)
         self._preemptions = Counter("entropic_priority_preemptions", "Running requests preempted for a higher-π waiting one",
-                                    ["model_name"]).labels(model_name)
+                                    ["model_name"], registry=registry).labels(model_name)
 
     def observe_priorities(self, published) -> None:
         for pi, source in published:
@@ -114,6 +117,6 @@ class ReplicaMetrics:
         self._pruning_seen = now
 
 
-def snapshot() -> list:
-    """All metric families of this process, picklable, for shipping to the controller."""
-    return list(REGISTRY.collect())
+    def snapshot(self) -> list:
+        """Every metric family of this replica's registry, picklable, for shipping to the controller."""
+        return list(self.registry.collect())

@@ -3,11 +3,12 @@ and the board that carries π from the control loop to the scheduler. No vLLM im
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from controller.laws.entropic_time import positive_drops
 from controller.laws.grants import GrantPolicy, renew, runnable, spend
 from controller.laws.priority import SequenceState, ewma
+from controller.messages import SequenceSummary
 
 
 @dataclass
@@ -36,19 +37,23 @@ class SequenceTrack:
         if delta.token_ids:
             self.last_progress = now
 
+    def remaining_tokens(self) -> float:
+        """Decode tokens it may still generate (R_s of π); 0 when its budget is unknown."""
+        return 0.0 if self.max_tokens is None else float(max(0, self.max_tokens - self.generated))
+
     def state(self, now: float, prior_drop: float, block_size: int) -> SequenceState:
         context = self.prompt_tokens + self.generated
         return SequenceState(
             expected_drop=self.expected_drop if self.expected_drop is not None else prior_drop,
             attended_tokens=float(context), kv_blocks=context / block_size,
             waited_s=max(0.0, now - self.last_progress), slo_s=self.slo_s,
-            remaining_tokens=0.0 if self.max_tokens is None else float(max(0, self.max_tokens - self.generated)))
+            remaining_tokens=self.remaining_tokens())
 
-    def summary(self, now: float) -> dict:
-        out = asdict(self)
-        out["age_s"] = now - out.pop("arrival")
-        out["idle_s"] = now - out.pop("last_progress")
-        return out
+    def summary(self, now: float) -> SequenceSummary:
+        return SequenceSummary(
+            prompt_tokens=self.prompt_tokens, generated=self.generated, max_tokens=self.max_tokens,
+            expected_drop=self.expected_drop, last_entropy=self.last_entropy, temperature=self.temperature,
+            tau=self.tau, mean_entropy=self.mean_entropy, age_s=now - self.arrival, idle_s=now - self.last_progress)
 
 
 class PriorityBoard:

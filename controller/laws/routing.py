@@ -29,7 +29,20 @@ Replicas with no load known rank last, in the order given (the caller shuffles).
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaLoad:
+    """What routing knows of one replica (from the controller's view or Serve's polled stats)."""
+
+    running: int
+    waiting: int
+    max_num_seqs: int
+    step_s: float  # recent engine step time (EWMA); 0: not measured yet
+    unit_step_s: float  # step time normalized to an empty batch; 0: derive it from step_s
+    remaining: tuple[float, ...] = field(default=())  # decode tokens left per running sequence (controller only)
 
 
 def _slot_wait_steps(place: int, capacity: int, remaining: Sequence[float]) -> float:
@@ -47,32 +60,29 @@ def batch_factor(batch: float, capacity: int) -> float:
     return 1.0 + max(0.0, batch) / max(1, capacity)
 
 
-def unit_step_s(stats: dict[str, Any]) -> float:
+def unit_step_s(load: ReplicaLoad) -> float:
     """The replica's step time normalized to an empty batch (reported, or derived from step_s and running)."""
-    capacity = max(1, int(stats.get("max_num_seqs", 1)))
-    unit = stats.get("unit_step_s")
-    if not unit:
-        unit = float(stats.get("step_s", 0.0)) / batch_factor(int(stats.get("running", 0)), capacity)
+    unit = load.unit_step_s or load.step_s / batch_factor(load.running, max(1, load.max_num_seqs))
     return max(float(unit), 1e-4)
 
 
-def ahead_of(stats: dict[str, Any], ongoing: int = 0, reserved: int = 0) -> int:
-    return max(ongoing, int(stats.get("running", 0)) + int(stats.get("waiting", 0))) + reserved
+def ahead_of(load: ReplicaLoad, ongoing: int = 0, reserved: int = 0) -> int:
+    return max(ongoing, load.running + load.waiting) + reserved
 
 
-def expected_delay(stats: dict[str, Any], ongoing: int = 0, reserved: int = 0) -> float:
-    capacity = max(1, int(stats.get("max_num_seqs", 1)))
-    unit = unit_step_s(stats)
-    ahead = ahead_of(stats, ongoing, reserved)
+def expected_delay(load: ReplicaLoad, ongoing: int = 0, reserved: int = 0) -> float:
+    capacity = max(1, load.max_num_seqs)
+    unit = unit_step_s(load)
+    ahead = ahead_of(load, ongoing, reserved)
     wait = 0.0
     if ahead >= capacity:
         full_step = unit * batch_factor(capacity, capacity)
-        wait = full_step * _slot_wait_steps(ahead - capacity + 1, capacity, stats.get("remaining") or ())
+        wait = full_step * _slot_wait_steps(ahead - capacity + 1, capacity, load.remaining)
     return wait + unit * batch_factor(min(ahead + 1, capacity), capacity)
 
 
-def rank(candidates: Sequence[tuple[Hashable, dict[str, Any] | None, int, int]]) -> list[Hashable]:
+def rank(candidates: Sequence[tuple[Hashable, ReplicaLoad | None, int, int]]) -> list[Hashable]:
     """Candidate ids, soonest first: (id, load or None, ongoing, reserved) each."""
-    known = [(expected_delay(s, n, r), i, c) for i, (c, s, n, r) in enumerate(candidates) if s]
-    unknown = [c for c, s, _, _ in candidates if not s]
+    known = [(expected_delay(s, n, r), i, c) for i, (c, s, n, r) in enumerate(candidates) if s is not None]
+    unknown = [c for c, s, _, _ in candidates if s is None]
     return [c for _, _, c in sorted(known, key=lambda x: (x[0], x[1]))] + unknown

@@ -1,15 +1,16 @@
-"""Logits processors for measuring output fidelity on the real engine (adapter; vllm 0.32.0).
+"""Logits processors that measure output fidelity on the real engine (adapter; vllm 0.32.0).
 
-Used by the pruning tests and benchmarks, never by the serving path. Per request, through
-``SamplingParams.extra_args["fidelity"]``:
+Instruments of the pruning tests and the benchmarks, never on the serving path. Per request,
+through flat ``SamplingParams.extra_args`` keys (what an OpenAI request's ``vllm_xargs`` can carry,
+so they also reach an engine through ``workers.core.ReplicaCore``):
 
-* ``{"key": k, "scale": s}`` (``LogitScale``): multiplies the logits by s before anything
-  else sees them. s > 1 makes the model look overconfident (entropy drops, argmax unchanged):
-  the calibration stress of paper §6.2.
-* ``{"key": k, "force": [ids...]}`` (``TeacherForcing``): records the row's log-softmax
-  (its argmax and the full distribution for KL) and then forces the next token to
-  force[position], so a pruned and a dense run see the same prefixes (teacher forcing)
-  while every position is a real decode step.
+* ``fidelity_scale: s`` (``LogitScale``): multiplies the logits by s before anything else sees
+  them. s > 1 makes the model look overconfident (entropy drops, argmax unchanged): the
+  calibration stress of paper §6.2.
+* ``fidelity_key: k, fidelity_force: [ids...]`` (``TeacherForcing``): records the row's
+  log-softmax (its argmax and the full distribution for KL) under ``records[k]`` and then forces
+  the next token to force[position], so a pruned and a dense run see the same prefixes (teacher
+  forcing) while every position is a real decode step.
 
 List them before/after ``EntropicLogitsProcessor`` as needed: vLLM applies processors in
 the order given.
@@ -23,7 +24,9 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from workers.sampling import apply_moves
 
-KEY = "fidelity"
+KEY = "fidelity_key"
+SCALE = "fidelity_scale"
+FORCE = "fidelity_force"
 
 
 class _RowProcessor(LogitsProcessor):
@@ -39,8 +42,8 @@ class _RowProcessor(LogitsProcessor):
         for index in batch_update.removed:
             self.rows.pop(index, None)
         for index, params, _prompt, output_ids in batch_update.added:
-            cfg = (params.extra_args or {}).get(KEY) if params is not None else None
-            if cfg is not None and self.wants(cfg):
+            cfg = (params.extra_args or {}) if params is not None else {}
+            if self.wants(cfg):
                 self.rows[index] = (cfg, output_ids)
             else:
                 self.rows.pop(index, None)
@@ -52,12 +55,12 @@ class _RowProcessor(LogitsProcessor):
 
 class LogitScale(_RowProcessor):
     def wants(self, cfg: dict[str, Any]) -> bool:
-        return "scale" in cfg
+        return SCALE in cfg
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, (cfg, _) in self.rows.items():
             if index < logits.shape[0]:
-                logits[index] *= float(cfg["scale"])
+                logits[index] *= float(cfg[SCALE])
         return logits
 
 
@@ -67,15 +70,15 @@ class TeacherForcing(_RowProcessor):
     records: dict[str, dict[int, torch.Tensor]] = {}
 
     def wants(self, cfg: dict[str, Any]) -> bool:
-        return "force" in cfg
+        return FORCE in cfg
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, (cfg, output_ids) in self.rows.items():
             if index >= logits.shape[0]:
                 continue
             pos = len(output_ids)
-            TeacherForcing.records.setdefault(cfg["key"], {})[pos] = torch.log_softmax(logits[index].float(), -1).clone()
-            forced = cfg["force"]
+            TeacherForcing.records.setdefault(cfg[KEY], {})[pos] = torch.log_softmax(logits[index].float(), -1).clone()
+            forced = cfg[FORCE]
             if pos < len(forced):
                 logits[index].fill_(float("-inf"))
                 logits[index, forced[pos]] = 0.0

@@ -1,0 +1,43 @@
+"""Typed configuration of entropy-aware scheduling (paper §3.1), shared by the controller and replicas."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controller.laws.grants import GrantPolicy
+from controller.laws.priority import PriorityWeights
+
+
+class SchedulingConfig(BaseModel):
+    """π(s) orders admission, batch and preemption; its weights and the control loop around it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    alpha: float = Field(1.0, gt=0, description="weight of compute (attended context)")
+    beta: float = Field(0.5, gt=0, description="weight of KV memory held")
+    gamma: float = Field(1.0, gt=0, description="weight of latency slack")
+    aging_s: float = Field(5.0, gt=0, description="a waiting request's π doubles every aging_s seconds")
+    slo_s: float = Field(30.0, gt=0, description="end-to-end latency objective behind the slack term")
+    delta: float = Field(2.0, ge=0, description="weight of remaining work (max_tokens left) in π's cost; "
+                         "0: the paper's π")
+    ref_output_tokens: float = Field(128.0, gt=0, description="unit of remaining work")
+    remaining_cap_tokens: float = Field(512.0, gt=0, description="remaining work counts at most this many tokens")
+    drop_ewma: float = Field(0.2, gt=0, le=1, description="EWMA weight of dH+ in E[dH]")
+    prior_drop: float = Field(0.3, ge=0, description="E[dH] (nats/token) assumed before a request's first token")
+    preempt_margin: float | None = Field(
+        None, ge=1, description="π ratio a waiting request needs to preempt a running one; None: no priority "
+        "preemption (vLLM still preempts the lowest π under KV pressure)")
+    controller_timeout_s: float = Field(0.25, gt=0, description="older controller answers fall back to local π")
+    grant_slots: int | None = Field(
+        None, ge=1, description="decode-step grants: how many sequences per replica get their lease renewed each "
+        "control period (highest π first); the others pause, keeping their KV, when their lease runs out. "
+        "None: everyone is granted (no pausing)")
+    grant_lease_steps: int = Field(8, ge=1, description="decode steps per granted lease")
+
+    def grant_policy(self) -> GrantPolicy:
+        return GrantPolicy(slots=self.grant_slots, lease_steps=self.grant_lease_steps)
+
+    def weights(self) -> PriorityWeights:
+        return PriorityWeights(alpha=self.alpha, beta=self.beta, gamma=self.gamma, aging_s=self.aging_s,
+                               delta=self.delta, ref_output_tokens=self.ref_output_tokens,
+                               remaining_cap_tokens=self.remaining_cap_tokens)

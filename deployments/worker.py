@@ -1,0 +1,88 @@
+"""Ray Serve deployment around one ``workers.core.ReplicaCore`` (one in-process vLLM engine).
+
+The ingress calls ``generate`` through ``handle.options(stream=True)``; each item is a
+``workers.engine.Delta``. Serve calls ``check_health`` and ``record_routing_stats``; the core's
+control loop reports to the controller deployment through its handle.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+
+from controller.messages import ControllerAnswer, TelemetryReport
+from deployments.config import AppConfig
+from workers.core import ReplicaCore
+from workers.engine import Delta
+from workers.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+_LEAVE_GRACE_S = 0.5
+
+
+# Serve marks a replica unhealthy after three failed checks in a row: every 2 s keeps that under 10 s.
+@serve.deployment(name="EntropicWorker", health_check_period_s=2, health_check_timeout_s=30)
+class EntropicWorker:
+    def __init__(self, config: dict[str, Any], controller: Any = None) -> None:
+        self.config = AppConfig.model_validate(config)
+        self._event_loop = asyncio.get_running_loop()
+
+        async def report(message: TelemetryReport) -> ControllerAnswer:
+            return await controller.report.remote(message)
+
+        self.core = ReplicaCore(self.config.replica(), replica_id=serve.get_replica_context().replica_id.unique_id,
+                                node_id=ray.get_runtime_context().get_node_id(),
+                                controller=report if controller is not None else None, on_fatal=self._engine_failed)
+        self.core.start()
+
+    async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None) -> AsyncIterator[Delta]:
+        async for delta in self.core.generate(kind, request, overrides):
+            yield delta
+
+    def info(self) -> dict[str, Any]:
+        return self.core.info()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Serve for deployments.routing.SoonestServedRouter (a dict: Serve's format)."""
+        self.core.routing_polls += 1
+        load = self.core.load()
+        return {"at": time.time(), "running": load.running, "waiting": load.waiting,
+                "max_num_seqs": load.max_num_seqs, "step_s": load.step_s, "unit_step_s": load.unit_step_s}
+
+    async def check_health(self) -> None:
+        """Serve's health check: fails once the engine loop has stopped or one step has hung."""
+        problem = self.core.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def inject_engine_fault(self) -> str:
+        """Stop this replica's engine loop from inside, as a crashing step would (``fault_injection``
+        must be on): its streams fail, its health check fails, it leaves and Serve replaces it."""
+        if not self.config.fault_injection:
+            raise InvalidRequest("fault injection is off in this deployment", "fault_injection")
+        self.core.runner.stop_with_error(RuntimeError("injected engine fault"))
+        return self.core.replica_id
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """Engine thread: the loop stopped. Its streams already have their error; leave the cluster.
+
+        vLLM's own server exits when its engine dies (so an orchestrator restarts it); a replica
+        does the same so Serve replaces it now, instead of after three failed health checks.
+        """
+        self._event_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._leave(exc)))
+
+    async def _leave(self, exc: BaseException) -> None:
+        await asyncio.sleep(_LEAVE_GRACE_S)  # let the in-band errors reach the ingress first
+        logger.error("engine failed (%r): replica %s exits so Serve replaces it", exc, self.core.replica_id)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def __del__(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.shutdown()

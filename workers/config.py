@@ -1,0 +1,114 @@
+"""Typed configuration of one replica: its engine and the entropy control layers around it.
+
+``deployments.config.AppConfig`` extends ``ReplicaConfig`` with what only Ray Serve needs
+(replica counts, resources, routing); benchmarks build a ``ReplicaConfig`` directly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from controller.config import SchedulingConfig
+from kernels.hardware import resolve_dtype
+from workers.control_params import PruningControl, SamplingControl
+from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
+CPU_PRUNING_BLOCK_SIZE = 64
+
+# EngineArgs a replica cannot honour: the engine runs in the replica's process (no multiprocess engine
+# core, docs/design/engine-embedding.md), so there is one worker and no parallel group.
+_PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+class EngineConfig(BaseModel):
+    """The subset of vLLM's EngineArgs we set, plus anything else in ``extra`` verbatim."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_model_len: int = Field(8192, ge=16)
+    max_num_seqs: int = Field(16, ge=1, le=1024)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    enforce_eager: bool = True
+    dtype: str = Field("auto", description='"auto": the model\'s dtype, but float32 on CPUs without native bf16')
+    block_size: int | None = Field(None, ge=1, description="KV block size; None: vLLM's default, or "
+                                   f"{CPU_PRUNING_BLOCK_SIZE} on CPU with pruning enabled")
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    kv_cache_space_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE in GiB (CPU only)")
+    cpu_threads: int = Field(1, ge=1, description="OpenMP threads of each replica's engine (CPU only)")
+    extra: dict[str, Any] = Field(default_factory=dict, description="more vllm EngineArgs, passed as given")
+
+    @field_validator("extra")
+    @classmethod
+    def _one_process(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        for name in _PARALLEL_ARGS:
+            if int(extra.get(name) or 1) > 1:
+                raise ValueError(
+                    f"engine.extra.{name}={extra[name]}: a replica runs its engine in its own process, which rules "
+                    "out tensor, pipeline and data parallelism (docs/design/engine-embedding.md); scale with "
+                    "num_replicas instead")
+        return extra
+
+    def engine_kwargs(self, model_path: str, served_model_name: str, on_gpu: bool = False,
+                      pruning: bool = False) -> dict[str, Any]:
+        """vLLM EngineArgs. ``pruning`` on a GPU selects TRITON_ATTN, the backend our pruned path subclasses
+        (workers/pruned_attention_gpu.py); ``extra`` can still name another (which then runs dense)."""
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            served_model_name=served_model_name,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            dtype=resolve_dtype(self.dtype, on_gpu),
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+            disable_log_stats=False,
+        )
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
+        elif pruning and not on_gpu:
+            # vLLM's CPU default is 128; with pruning, 64 decoded fastest (docs/results/pruning-speed.md)
+            kwargs["block_size"] = CPU_PRUNING_BLOCK_SIZE
+        if on_gpu and pruning:
+            kwargs["attention_backend"] = "TRITON_ATTN"
+        kwargs.update(self.extra)
+        return kwargs
+
+
+class ReplicaConfig(BaseModel):
+    """One replica: the model, its engine, and the three control layers with their defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEFAULT_MODEL, description='"default" or a local Hugging Face model directory')
+    served_model_name: str | None = None
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingControl = Field(default_factory=SamplingControl)
+    pruning: PruningControl = Field(default_factory=PruningControl)
+    pruning_dense_layers: int = Field(0, ge=0, description="first layers that always attend densely (pruned requests too)")
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    telemetry: bool = Field(True, description="per-token entropy telemetry (our logits processor). False: the engine "
+                            "is vLLM's as shipped, and the three control layers, which read the entropy, are off")
+    telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
+    engine_stall_timeout_s: float = Field(
+        300.0, gt=0, description="the replica fails its health check when one engine step has run this long")
+    fault_injection: bool = Field(
+        False, description="allow inject_engine_fault (through a Serve handle) to stop an engine loop from inside, "
+        "for failure drills")
+
+    def layers_on(self) -> "ReplicaConfig":
+        """This config as the replica runs it: without telemetry no control layer can run."""
+        if self.telemetry:
+            return self
+        return self.model_copy(update={"sampling": self.sampling.model_copy(update={"enabled": False}),
+                                       "pruning": self.pruning.model_copy(update={"enabled": False}),
+                                       "scheduling": self.scheduling.model_copy(update={"enabled": False})})
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return DEFAULT_MODEL_NAME if self.model == DEFAULT_MODEL else self.model.rstrip("/").split("/")[-1]
