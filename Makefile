@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test model bench bench-scheduling bench-routing bench-pruning ablation ablation-estimators calibration-stress prometheus dashboards
+.PHONY: install serve test test-unit model bench bench-scheduling bench-routing bench-pruning ablation ablation-estimators calibration-stress prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -43,6 +43,10 @@ prometheus:
 
 test: model prometheus
 	$(PY) -m pytest $(ARGS)
+
+# The fast tier for the edit loop (pure code and static checks, no model): `make test` runs every tier.
+test-unit: install
+	$(PY) -m pytest -m unit -q $(ARGS)
 
 dashboards:
 	$(PY) -m monitoring.dashboards

@@ -41,7 +41,8 @@ class EntropyController:
         self._heard: dict[str, _Heard] = {}
         self._metrics: dict[str, list] = {}
         self._registry = CollectorRegistry(auto_describe=False)
-        self._lag = Histogram("entropic_telemetry_lag_seconds", "Delay from a replica sending telemetry to the controller receiving it",
+        self._lag = Histogram("entropic_telemetry_lag_seconds",
+                              "Delay from a replica sending telemetry to the controller receiving it",
                               buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3), registry=self._registry)
         self._loop = Histogram("entropic_controller_loop_seconds", "Controller time to process one report and compute π",
                                buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1), registry=self._registry)

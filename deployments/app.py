@@ -26,11 +26,12 @@ def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     as_dict = config.model_dump()
-    controller = ControllerDeployment.bind(as_dict)
+    # Serve's decorator turns each class into a Deployment (bind/options); mypy sees only the class.
+    controller = ControllerDeployment.bind(as_dict)  # type: ignore[attr-defined]
     scaling: dict[str, Any] = (
         {"autoscaling_config": config.autoscaling.model_dump()} if config.autoscaling
         else {"num_replicas": config.num_replicas})
-    worker = EntropicWorker.options(
+    worker = EntropicWorker.options(  # type: ignore[attr-defined]
         **scaling,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
@@ -44,4 +45,4 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             "runtime_env": worker_runtime_env(config),
         },
     ).bind(as_dict, controller)
-    return OpenAIIngress.bind(worker, controller, as_dict)
+    return OpenAIIngress.bind(worker, controller, as_dict)  # type: ignore[attr-defined]

@@ -6,9 +6,10 @@ with every field optional: one definition of the fields and their ranges, two us
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, ValidationError, create_model
+from vllm.entrypoints.generate.base.protocol import DeltaMessage  # noqa: F401
 from vllm.entrypoints.openai.chat_completion.protocol import (  # noqa: F401 (re-exported)
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -24,7 +25,6 @@ from vllm.entrypoints.openai.completion.protocol import (  # noqa: F401
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from vllm.entrypoints.generate.base.protocol import DeltaMessage  # noqa: F401
 from vllm.entrypoints.serve.engine.protocol import (  # noqa: F401
     ErrorInfo,
     ErrorResponse,
@@ -32,15 +32,15 @@ from vllm.entrypoints.serve.engine.protocol import (  # noqa: F401
     ModelList,
     UsageInfo,
 )
-
 from vllm.exceptions import VLLMValidationError
 
 from workers.control_params import PruningControl, SamplingControl
 from workers.errors import InvalidRequest
 
+
 def _optional(field: Any) -> Any:
     constrained = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-    return (Optional[constrained], None)
+    return (constrained | None, None)
 
 
 PruningOptions = create_model(
@@ -52,20 +52,20 @@ PruningOptions = create_model(
 EntropicOptions = create_model(
     "EntropicOptions",
     __config__=ConfigDict(extra="forbid"),
-    pruning=(Optional[PruningOptions], None),  # type: ignore[valid-type]
+    pruning=(PruningOptions | None, None),
     **{name: _optional(field) for name, field in SamplingControl.model_fields.items()},
 )
 
 
 class EntropicChatCompletionRequest(ChatCompletionRequest):
-    entropic: Optional[EntropicOptions] = None  # type: ignore[valid-type]
+    entropic: EntropicOptions | None = None
 
 
 class EntropicCompletionRequest(CompletionRequest):
-    entropic: Optional[EntropicOptions] = None  # type: ignore[valid-type]
+    entropic: EntropicOptions | None = None
 
 
-REQUEST_MODELS = {"chat": EntropicChatCompletionRequest, "completion": EntropicCompletionRequest}
+REQUEST_MODELS: dict[str, Any] = {"chat": EntropicChatCompletionRequest, "completion": EntropicCompletionRequest}
 
 _UNSUPPORTED = {
     "tools": "tool calling is not supported",
@@ -131,7 +131,7 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
     try:
         request = REQUEST_MODELS[kind].model_validate(body)
     except ValidationError as exc:
-        error = _most_telling(exc.errors())
+        error = _most_telling([dict(e) for e in exc.errors()])
         raise InvalidRequest(f"{_loc(error)}: {error['msg']}", _loc(error)) from None
     except (ValueError, VLLMValidationError) as exc:  # vLLM's own model validators
         raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from None

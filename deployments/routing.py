@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections import defaultdict, deque
-from typing import Any, List, Optional
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -59,8 +59,8 @@ class SoonestServedRouter(RequestRouter):
         return len(pending)
 
     async def choose_replicas(
-        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
-    ) -> List[List[RunningReplica]]:
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         # Shuffled so that equal expected delays split evenly instead of favouring the first replica.
         shuffled = random.sample(candidate_replicas, len(candidate_replicas))
         now, wall = time.monotonic(), time.time()

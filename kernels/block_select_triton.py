@@ -92,7 +92,8 @@ def block_scores(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.T
     has_bias = bias is not None
     _score_kernel[(rows, width)](
         q.float().contiguous(), block_table.contiguous(), num_blocks.contiguous(), summaries,
-        bias.float().contiguous() if has_bias else out, out, n_heads, group, d, width, summaries.shape[1], float(scale),
+        bias.float().contiguous() if bias is not None else out, out, n_heads, group, d, width, summaries.shape[1],
+        float(scale),
         HAS_BIAS=has_bias, BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(d),
     )
     return out

@@ -124,8 +124,8 @@ async def _run(core, jobs: list[Job], reference: dict | None) -> dict:
             pass
         records = TeacherForcing.records.pop(key)
         argmax[job.name] = [int(records[p].argmax()) for p in range(1, len(force))]
-    return {"wall": wall, "steps": steps, "first": first, "done": done, "tokens": tokens, "entropy": entropy, "kv_usage": kv_usage,
-            "stats": stats, "argmax": argmax, "prompt_tokens": prompt_tokens}
+    return {"wall": wall, "steps": steps, "first": first, "done": done, "tokens": tokens, "entropy": entropy,
+            "kv_usage": kv_usage, "stats": stats, "argmax": argmax, "prompt_tokens": prompt_tokens}
 
 
 def run_config(name: str, args) -> dict:
@@ -211,7 +211,8 @@ def _markdown(result: dict) -> str:
              "|---" * (len(NORMALIZED) + 1) + "|"]
     for name, row in result["normalized"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k, _ in NORMALIZED) + " |")
-    lines += ["", "Quality and pruning (absolute):", "", "| configuration | " + " | ".join(l for _, l in ABSOLUTE) + " |",
+    lines += ["", "Quality and pruning (absolute):", "", "| configuration | " + " | ".join(label for _, label in ABSOLUTE)
+              + " |",
               "|---" * (len(ABSOLUTE) + 1) + "|"]
     for name, row in result["configs"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k, _ in ABSOLUTE) + " |")

@@ -94,7 +94,8 @@ def _schedule_replay(entropies: list[float], prompt_tokens: list[int], steps: in
                 drop, = positive_drops([seq[t]], seq[t - 1])
                 expected[i] = ewma(expected[i], drop, defaults.drop_ewma)
             context = prompt_tokens[i] + t
-            state = SequenceState(expected_drop=defaults.prior_drop if expected[i] is None else expected[i],
+            drop_i = expected[i]
+            state = SequenceState(expected_drop=defaults.prior_drop if drop_i is None else drop_i,
                                   attended_tokens=context, kv_blocks=context / 128, waited_s=0.0, slo_s=defaults.slo_s)
             row.append(priority(state, weights))
         out.append(row)
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                   "the pass over the vocabulary (see kernels/entropy.py); the table shows what they cost here.", ""]
         return "\n".join(lines)
 
-    publish("loadtest.ablation_estimators", argv, args.out, {"rows_measured": len(exact), "sequences": len(prompt_tokens), "rows": rows}, render)
+    publish("loadtest.ablation_estimators", argv, args.out,
+            {"rows_measured": len(exact), "sequences": len(prompt_tokens), "rows": rows}, render)
     return 0
 
 

@@ -74,7 +74,8 @@ def _served_split(base: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("vllm:request_success_total{"):
-            replica = re.search(r'replica="([^"]+)"', line).group(1)
+            found = re.search(r'replica="([^"]+)"', line)
+            replica = found.group(1) if found else "?"
             out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 

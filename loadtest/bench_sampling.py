@@ -155,7 +155,8 @@ def _markdown(result: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; "
         f"torch {m['torch']}, vllm {m['vllm']}; {s['threads']} engine threads, dtype {result['dtype']}.", "",
         f"Batch {s['batch']} requests x {s['max_tokens']} tokens (ignore_eos), estimator `{s['estimator']}`, "
-        f"medians over {s['rounds']} interleaved rounds (order rotated each round); ratios to plain are taken within each round, then the median.", "",
+        f"medians over {s['rounds']} interleaved rounds (order rotated each round); ratios to plain are taken "
+        "within each round, then the median.", "",
         "| configuration | tokens/s | throughput vs plain | mean step (ms) | step vs plain | TTFT (s) | ITL (ms) "
         "| e2e (s) | e2e vs plain | estimator share of step |",
         "|---|---|---|---|---|---|---|---|---|---|",

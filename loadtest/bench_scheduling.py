@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-
 FILLER = ("The committee met on a grey morning to review the harbour accounts, the repairs to the north pier "
           "and the schedule of the autumn ferries. ")
 CLASSES = {  # name: (share, slo seconds, max_tokens)
@@ -126,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preempt-margin", type=float, default=None,
                         help="enable priority preemption with this π ratio (default: the config's, off)")
     parser.add_argument("--alpha", type=float, default=None, help="override scheduling.alpha")
-    parser.add_argument("--delta", type=float, default=None, help="override scheduling.delta (remaining-work weight; 0: the paper's π)")
+    parser.add_argument("--delta", type=float, default=None,
+                        help="override scheduling.delta (remaining-work weight; 0: the paper's π)")
     parser.add_argument("--grant-slots", type=int, default=None,
                         help="decode-step grants for the π policy: leases for this many sequences per control period")
     parser.add_argument("--out", default="docs/benchmarks/scheduling")
@@ -200,7 +200,8 @@ def _markdown(result: dict) -> str:
         + ", ".join(f"{k} {v[0]}/{v[1]}/{v[2]}" for k, v in result["classes"].items())
         + f". Medians over {s['rounds']} rounds (order alternated). Identical greedy output per round: "
         + ", ".join(f"{100 * x:.0f}%" for x in result["identical_output_fraction"]) + ".", "",
-        "| policy | mean e2e (s) | p99 e2e (s) | mean TTFT (s) | goodput (req/s within SLO) | within SLO | priority preemptions |",
+        "| policy | mean e2e (s) | p99 e2e (s) | mean TTFT (s) | goodput (req/s within SLO) | within SLO "
+        "| priority preemptions |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, row in med.items():

@@ -9,7 +9,8 @@ underconfident. For each s:
 1. T_cal is fitted post hoc (``controller.laws.calibration``) on held-out real text (Python's own
    documentation, an offset no test or prompt uses): the NLL-minimising temperature of the scaled
    logits of the default model (transformers, float32).
-2. On the replica that serves (``workers.core.ReplicaCore``: our pruned backend, greedy decoding, passkeys hidden at three depths in
+2. On the replica that serves (``workers.core.ReplicaCore``: our pruned backend, greedy decoding, passkeys
+   hidden at three depths in
    ~4K and ~7K tokens of filler, one warm prefix cache for every run), five runs: dense, and
    pruning under an aggressive law with no guard, with the guards (H_min, B_min), with T_cal, with
    both. Reported: passkey accuracy, fraction of KV blocks attended (pruning aggressiveness), and the
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                  "| logit scale | T_cal | held-out NLL at T=1 | NLL at T_cal | positions |", "|---|---|---|---|---|"]
         for s, f in result["fits"].items():
             lines.append(f"| {s} | {f['t_cal']:.3f} | {f['nll']:.3f} | {f['nll_calibrated']:.3f} | {f['positions']} |")
-        lines += ["", "| logit scale | condition | T_cal | passkey accuracy | KV blocks attended | entropy mean | entropy std |",
+        lines += ["", "| logit scale | condition | T_cal | passkey accuracy | KV blocks attended | entropy mean "
+                  "| entropy std |",
                   "|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
             lines.append(f"| {r['scale']} | {r['condition']} | {r['t_cal']:.2f} | {r['passkey']:.2f} | {r['kept']:.2f} | "

@@ -55,7 +55,7 @@ class StreamingUser(HttpUser):
                     if not any(c.get("text") or (c.get("delta") or {}).get("content") for c in payload.get("choices", [])):
                         continue
                     now = time.perf_counter()
-                    if first is None:
+                    if first is None or last is None:
                         first = now
                     else:
                         gaps.append(now - last)

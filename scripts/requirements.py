@@ -4,8 +4,9 @@ The project itself is not installed into the environment: the Makefile puts the 
 on PYTHONPATH, so a shared environment never runs a stale copy of the code.
 """
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
 lines = list(project["dependencies"])

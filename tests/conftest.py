@@ -24,8 +24,8 @@ TEST_APP_CONFIG = {
     "num_cpus_per_replica": 1,
     "engine": {"max_model_len": 8192, "max_num_seqs": 16, "kv_cache_space_gib": 1, "cpu_threads": 1},
     "telemetry_period_s": 0.05,
-    "request_router": "soonest_served",
-    "fault_injection": True,  # tests/test_reliability.py stops an engine loop from inside  # the router the routing tests are about (Serve's is the default)
+    "request_router": "soonest_served",  # the router the routing tests are about (Serve's is the default)
+    "fault_injection": True,  # tests/test_reliability.py stops an engine loop from inside
 }
 
 
@@ -70,11 +70,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Tiers, from the layers they exercise (docs/architecture.md); `make test` runs them all,
+# `make test-unit` only the first, for the edit loop.
+TIERS = {
+    "unit": "pure code: laws, messages, config, kernels against references, static checks; no model",
+    "model": "the default model in process: a real vLLM engine, or its logits through transformers",
+    "served": "the Serve application on a multi-node Ray test cluster, over HTTP",
+    "deployment": "what a platform runs: Kubernetes manifests, a real Prometheus server and the dashboards",
+}
+_SERVED_FIXTURES = {"server", "client", "served_model", "ray_cluster"}
+_MODEL_FIXTURES = {"model_dir", "hf_model", "real_logits"}
+_DEPLOYMENT_MODULES = {"test_k8s_manifests", "test_prometheus_dashboards"}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "disruptive: kills parts of the shared application; runs last")
+    for tier, meaning in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {meaning}")
+
+
+def _tier(item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if item.module.__name__.rsplit(".", 1)[-1] in _DEPLOYMENT_MODULES:
+        return "deployment"
+    if fixtures & _SERVED_FIXTURES:
+        return "served"
+    if fixtures & _MODEL_FIXTURES:
+        return "model"
+    return "unit"
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, _tier(item)))
     items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
 
 

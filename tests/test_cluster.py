@@ -132,7 +132,8 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
     deadline = time.time() + 120
     while time.time() < deadline:
         response = httpx.get(f"{server}/metrics", timeout=10)
-        if response.status_code == 200 and len(set(re.findall(r'replica="([^"]+)"', response.text)) - {"controller", "ingress"}) == 2:
+        replicas = set(re.findall(r'replica="([^"]+)"', response.text)) - {"controller", "ingress"}
+        if response.status_code == 200 and len(replicas) == 2:
             break
         time.sleep(1)
     else:

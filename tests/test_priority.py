@@ -4,7 +4,13 @@ import random
 import pytest
 
 from controller.laws.priority import (
-    PriorityWeights, SequenceState, base_priority, ewma, max_wait_bound, priority, priority_bounds,
+    PriorityWeights,
+    SequenceState,
+    base_priority,
+    ewma,
+    max_wait_bound,
+    priority,
+    priority_bounds,
 )
 
 W = PriorityWeights()

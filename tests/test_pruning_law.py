@@ -175,9 +175,11 @@ def test_triton_pruned_decode_matches_torch_under_interpreter():
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
         # keeping every block is plain dense attention over the sequence
         full = torch.arange(5, dtype=torch.int32)[None]
-        dense = torch.softmax(torch.einsum("hd,thd->ht", q[0], key_cache[:5].reshape(-1, 3, d)[:70].repeat_interleave(3, 1)) * 0.125, -1)
+        keys = key_cache[:5].reshape(-1, 3, d)[:70].repeat_interleave(3, 1)
+        dense = torch.softmax(torch.einsum("hd,thd->ht", q[0], keys) * 0.125, -1)
         dense_out = torch.einsum("ht,thd->hd", dense, value_cache[:5].reshape(-1, 3, d)[:70].repeat_interleave(3, 1))
-        assert torch.allclose(pruned_decode(q[:1], key_cache, value_cache, full, torch.tensor([70], dtype=torch.int32), 0.125)[0], dense_out, atol=1e-4)
+        lengths = torch.tensor([70], dtype=torch.int32)
+        assert torch.allclose(pruned_decode(q[:1], key_cache, value_cache, full, lengths, 0.125)[0], dense_out, atol=1e-4)
         print("decode-ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}

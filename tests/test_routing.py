@@ -75,10 +75,9 @@ def test_rank_puts_replicas_with_no_known_load_last():
 
 
 def test_stale_loads_are_ignored():
+    from controller.messages import RoutingView
     from deployments.routing import _fresh
     from deployments.routing_view import STALE_AFTER_S, ControllerView
-
-    from controller.messages import RoutingView
 
     busy = {"at": 100.0, "running": 4, "waiting": 9, "max_num_seqs": 4, "step_s": 0.1, "unit_step_s": 0.05}
     assert _fresh(busy, 100.5) == _load(running=4, waiting=9, max_num_seqs=4, step_s=0.1, unit_step_s=0.05)

@@ -15,8 +15,7 @@ def test_vllm_version_is_the_one_the_adapters_were_written_for():
 
 
 def test_logits_processor_interface():
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
-    from vllm.v1.sample.logits_processor import interface
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality, interface
 
     assert {f for f in BatchUpdate.__dataclass_fields__} >= {"removed", "added", "moved"}
     assert interface.AddedRequest.__args__[0] is int and len(interface.AddedRequest.__args__) == 4

@@ -99,7 +99,7 @@ class ReplicaConfig(BaseModel):
         False, description="allow inject_engine_fault (through a Serve handle) to stop an engine loop from inside, "
         "for failure drills")
 
-    def layers_on(self) -> "ReplicaConfig":
+    def layers_on(self) -> ReplicaConfig:
         """This config as the replica runs it: without telemetry no control layer can run."""
         if self.telemetry:
             return self

@@ -25,22 +25,21 @@ class SamplingControl(BaseModel):
     t_min: float = Field(0.1, gt=0.0, le=10.0)
     t_max: float | None = Field(
         None, gt=0.0, le=10.0, description="upper temperature bound; None: the request's own temperature, so the "
-        "law only cools uncertain positions and never heats confident ones (measured: heating towards H* = 2 "
-        "wrecked factual answers, docs/results/README.md)")
+        "law only cools uncertain positions and never heats confident ones")
     max_log_step: float = Field(0.5, gt=0.0, le=10.0, description="bound on |log T_{t+1} - log T_t|")
     estimator: EstimatorName = "exact"
     topk: int = Field(64, ge=1, le=4096, description="k of the top-k and tail-corrected estimators")
     ema_alpha: float = Field(1.0, gt=0.0, le=1.0, description="EMA weight of the entropy fed to the law; 1 = none")
-    t_cal: float = Field(1.0, gt=0.0, le=10.0, description="calibration temperature of §5: every entropy reading is of softmax(z / T_cal), "
-                       "and control rows sample from it")
+    t_cal: float = Field(1.0, gt=0.0, le=10.0, description="calibration temperature of §5: every entropy reading is "
+                         "of softmax(z / T_cal), and control rows sample from it")
 
     @model_validator(mode="after")
-    def _bounds_ordered(self) -> "SamplingControl":
+    def _bounds_ordered(self) -> SamplingControl:
         if self.t_max is not None and self.t_min > self.t_max:
             raise ValueError(f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
         return self
 
-    def merged(self, overrides: dict[str, Any] | None) -> "SamplingControl":
+    def merged(self, overrides: dict[str, Any] | None) -> SamplingControl:
         """These defaults with a request's overrides, validated together."""
         if not overrides:
             return self
@@ -92,12 +91,12 @@ class PruningControl(BaseModel):
     info_weight: float = Field(1.0, ge=0.0, le=10.0, description="weight w of log S_b (block surprisal) in the score")
 
     @model_validator(mode="after")
-    def _regime_ordered(self) -> "PruningControl":
+    def _regime_ordered(self) -> PruningControl:
         if self.entropy_low >= self.entropy_high:
             raise ValueError(f"entropy_low ({self.entropy_low}) must be below entropy_high ({self.entropy_high})")
         return self
 
-    def merged(self, overrides: dict[str, Any] | None) -> "PruningControl":
+    def merged(self, overrides: dict[str, Any] | None) -> PruningControl:
         if not overrides:
             return self
         return PruningControl.model_validate({**self.model_dump(), **overrides})

@@ -13,8 +13,8 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from controller.laws.entropic_time import EntropyTrace
@@ -99,8 +99,9 @@ class EngineRunner:
 
         processors = [p for p in logits_processors if p is not EntropicLogitsProcessor]
         if telemetry:
-            at = list(logits_processors).index(EntropicLogitsProcessor) if EntropicLogitsProcessor in logits_processors else 0
-            processors.insert(at, EntropicLogitsProcessor)
+            given = list(logits_processors)
+            processors.insert(given.index(EntropicLogitsProcessor) if EntropicLogitsProcessor in given else 0,
+                              EntropicLogitsProcessor)
         self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
         self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor) if telemetry else None
         self.tokenizer = self.engine.get_tokenizer()
@@ -315,6 +316,7 @@ class EngineRunner:
 
     def _feed_surprisal(self, stream: _Stream, output: Any, completion: Any) -> None:
         """Token surprisal -log p(x_i | x_<i) from vLLM's raw logprobs, for the block scores."""
+        assert stream.pruning is not None  # only pruned requests are fed
         track = PRUNING.request(stream.key, stream.pruning)
         block_size = self.engine.vllm_config.cache_config.block_size
         prompt = output.prompt_logprobs

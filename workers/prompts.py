@@ -110,7 +110,7 @@ def sampling_params(
     extra = dict(params.extra_args or {})
     extra[EXTRA_ARGS_KEY] = control.engine_args(key, requested_temperature)
     pruning_args = pruning.engine_args() if pruning is not None else None
-    if pruning_args is not None:
+    if pruning is not None and pruning_args is not None:
         extra[EXTRA_ARGS_KEY]["pruning"] = pruning_args
         if pruning.wants_surprisal(prompt_len + params.max_tokens):
             # Block information content needs token surprisal: vLLM's raw logprob of each sampled token

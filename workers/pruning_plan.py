@@ -53,6 +53,11 @@ class PruningPlanner:
     which the CPU and Triton builders both set."""
 
     _summary_valid: torch.Tensor | None = None  # per physical block: its key summaries are current
+    # set by the vLLM builder this is mixed into
+    vllm_config: Any
+    kv_cache_spec: Any
+    layer_names: Any
+    block_size: int
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
         """vLLM's metadata for the compacted lengths, carrying this step's plan as ``prune`` (None: dense)."""
@@ -61,9 +66,9 @@ class PruningPlanner:
             started = time.perf_counter()
             plan, common = self._plan(common_attn_metadata)
             STATE.stats.selection_seconds += time.perf_counter() - started
-        md = super().build(common_prefix_len, common, fast_build)
+        md = super().build(common_prefix_len, common, fast_build)  # type: ignore[misc]  # the vLLM builder's
         if plan is not None and STATE.dense_layers > 0:
-            plan.dense = super().build(common_prefix_len, common_attn_metadata, fast_build)
+            plan.dense = super().build(common_prefix_len, common_attn_metadata, fast_build)  # type: ignore[misc]
         md.prune = plan
         return md
 
@@ -97,7 +102,7 @@ class PruningPlanner:
         for row, batch_index in enumerate(batch_rows):
             request = STATE.rows.get(int(batch_index))
             args = getattr(request, "pruning", None)
-            if args is None or starts[row + 1] - starts[row] != 1 or prefilling[row]:
+            if request is None or args is None or starts[row + 1] - starts[row] != 1 or prefilling[row]:
                 continue
             n = -(-seq_lens[row] // bs)
             track = STATE.request(request.key, args)
@@ -172,21 +177,22 @@ class PrunedLayers:
 
     _summaries: torch.Tensor | None = None  # [KV heads, blocks, 2 * head size] float32: per-channel (max | min) of keys
     _layer_index: int | None = None
+    attn_type: Any  # set by the vLLM impl this is mixed into
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         plan = getattr(attn_metadata, "prune", None) if attn_metadata is not None else None
         if plan is None or not self._prunes():
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
                                    output_scale, output_block_scale)
         if self._index(layer) < STATE.dense_layers:
-            return super().forward(layer, query, key, value, kv_cache, plan.dense, output,
+            return super().forward(layer, query, key, value, kv_cache, plan.dense, output,  # type: ignore[misc]
                                    output_scale, output_block_scale)
         started = time.perf_counter()
         metadata = copy.copy(attn_metadata)
         metadata.block_table = self._compacted_table(query, kv_cache, plan)
         STATE.stats.selection_seconds += time.perf_counter() - started
-        return super().forward(layer, query, key, value, kv_cache, metadata, output,
+        return super().forward(layer, query, key, value, kv_cache, metadata, output,  # type: ignore[misc]
                                output_scale, output_block_scale)
 
     def _prunes(self) -> bool:

@@ -31,7 +31,7 @@ class RequestPruning:
     kept_log: list[tuple[int, int]] = field(default_factory=list)  # (kept, total) per decode step, drained
 
     @classmethod
-    def from_args(cls, args: dict[str, Any]) -> "RequestPruning":
+    def from_args(cls, args: dict[str, Any]) -> RequestPruning:
         law_args = {k: v for k, v in args.items() if k != "info_weight"}
         return cls(law=PruningLaw(**law_args), info_weight=float(args.get("info_weight", 1.0)))
 
@@ -39,7 +39,7 @@ class RequestPruning:
         self.fraction = next_keep_fraction(self.fraction, entropy, self.law)
         return blocks_to_keep(num_blocks, context_tokens, self.fraction, self.law)
 
-    def add_surprisal(self, start: int, values: list[float], block_size: int) -> None:
+    def add_surprisal(self, start: int, values: list[float | None], block_size: int) -> None:
         """Surprisal of the tokens at positions start, start+1, ... of the sequence."""
         for offset, s in enumerate(values):
             if s is None or not math.isfinite(s):

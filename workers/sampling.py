@@ -66,7 +66,7 @@ class _RequestState:
     records: list[tuple[float, float]] = field(default_factory=list)
 
     @classmethod
-    def from_params(cls, params: SamplingParams, output_ids: list[int]) -> "_RequestState | None":
+    def from_params(cls, params: SamplingParams, output_ids: list[int]) -> _RequestState | None:
         cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
         if cfg is None:
             return None

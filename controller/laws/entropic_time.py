@@ -6,8 +6,8 @@ mean/variance (Welford), so per-request summaries never need the whole trace.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 
 def positive_drops(entropies: Iterable[float], previous: float | None = None) -> list[float]:

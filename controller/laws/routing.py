@@ -29,8 +29,9 @@ Replicas with no load known rank last, in the order given (the caller shuffles).
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import TypeVar
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +82,10 @@ def expected_delay(load: ReplicaLoad, ongoing: int = 0, reserved: int = 0) -> fl
     return wait + unit * batch_factor(min(ahead + 1, capacity), capacity)
 
 
-def rank(candidates: Sequence[tuple[Hashable, ReplicaLoad | None, int, int]]) -> list[Hashable]:
+Candidate = TypeVar("Candidate", bound=Hashable)
+
+
+def rank(candidates: Sequence[tuple[Candidate, ReplicaLoad | None, int, int]]) -> list[Candidate]:
     """Candidate ids, soonest first: (id, load or None, ongoing, reserved) each."""
     known = [(expected_delay(s, n, r), i, c) for i, (c, s, n, r) in enumerate(candidates) if s is not None]
     unknown = [c for c, s, _, _ in candidates if s is None]
