@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test test-unit model bench bench-scheduling bench-routing bench-pruning ablation ablation-estimators calibration-stress prometheus dashboards
+.PHONY: install serve test test-unit model bench bench-scheduling bench-routing bench-pruning bench-embedding ablation ablation-estimators calibration-stress prometheus dashboards
 install: $(STAMP)
 
 $(STAMP):
@@ -52,7 +52,7 @@ dashboards:
 	$(PY) -m monitoring.dashboards
 
 # Benchmarks and the paper's ablations (loadtest/): `make <name> ARGS="..."` runs loadtest/<name with _>.py.
-LOADTEST := bench-scheduling bench-routing bench-pruning ablation ablation-estimators calibration-stress
+LOADTEST := bench-scheduling bench-routing bench-pruning bench-embedding ablation ablation-estimators calibration-stress
 bench: model
 	$(PY) -m loadtest.bench_sampling $(ARGS)
 

@@ -16,11 +16,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16: without them vLLM's CPU path emulates bf16 math.
-
-    Measured on a 2-core AVX2-only AMD EPYC: a batch-16 decode step of SmolLM2-135M took
-    ~300 ms in bf16 and ~95 ms in float32.
-    """
+    """AVX512-BF16 or AMX-BF16: without them vLLM's CPU path emulates bf16 math, which is several
+    times slower than float32 (measured: docs/results/README.md)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 

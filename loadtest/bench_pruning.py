@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=4)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--out", default="docs/benchmarks/pruning")
+    parser.add_argument("--out", default="docs/results/pruning")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))

@@ -11,7 +11,7 @@ long-context questions, free-form generation), sent over HTTP with the official 
 streamed so TTFT is measured at the client. Greedy with ignore_eos, so both routers produce the
 same tokens unless batch composition changes a float tie (reported). Rounds alternate the order.
 
-    make bench-routing ARGS="--rate 0.55 --requests 60 --rounds 3"   (writes docs/benchmarks/routing.*)
+    make bench-routing ARGS="--rate 0.55 --requests 60 --rounds 3"   (writes docs/results/routing.*)
 
 Two replicas with one engine thread each on the 2-core machine finish about 0.5 requests/s of this mix.
 """
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fcfs", action="store_true",
                         help="replicas schedule first come first served (scheduling.enabled false) instead of by π")
-    parser.add_argument("--out", default="docs/benchmarks/routing")
+    parser.add_argument("--out", default="docs/results/routing")
     args = parser.parse_args(argv)
 
     import ray

@@ -11,7 +11,7 @@ as many tokens). Reported: throughput, TTFT, inter-token latency, end-to-end lat
 rounds), their ratios to plain, the mean engine step and the estimator's share of step time
 (from the replica's own ``entropic_engine_step_seconds`` / ``entropic_estimator_seconds``).
 
-    make bench ARGS="--batch 16 --rounds 3"      (writes docs/benchmarks/sampling.{md,json})
+    make bench ARGS="--batch 16 --rounds 3"      (writes docs/results/sampling.{md,json})
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--estimator", default="exact", choices=["exact", "topk", "tail"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="docs/benchmarks/sampling")
+    parser.add_argument("--out", default="docs/results/sampling")
     args = parser.parse_args(argv)
 
     from prometheus_client import CollectorRegistry

@@ -11,7 +11,7 @@ generation. Greedy decoding with ignore_eos, so both policies produce the same t
 Reported per policy: mean and p99 end-to-end latency, mean TTFT, goodput (requests finished
 within their class SLO per second), with ratios to FCFS.
 
-    make bench-scheduling ARGS="--rate 1.2 --requests 60 --rounds 2"   (writes docs/benchmarks/scheduling.*)
+    make bench-scheduling ARGS="--rate 1.2 --requests 60 --rounds 2"   (writes docs/results/scheduling.*)
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override scheduling.delta (remaining-work weight; 0: the paper's π)")
     parser.add_argument("--grant-slots", type=int, default=None,
                         help="decode-step grants for the π policy: leases for this many sequences per control period")
-    parser.add_argument("--out", default="docs/benchmarks/scheduling")
+    parser.add_argument("--out", default="docs/results/scheduling")
     args = parser.parse_args(argv)
 
     from controller.config import SchedulingConfig

@@ -19,11 +19,7 @@ def greedy_params(max_tokens: int, pruning: PruningControl | None = None, *, t_c
     from vllm import SamplingParams
 
     key = uuid.uuid4().hex
-    entropic = SamplingControl(t_cal=t_cal).engine_args(key, 0.0)
-    pruning_args = pruning.engine_args() if pruning is not None else None
-    if pruning_args is not None:
-        entropic["pruning"] = pruning_args
-    extra: dict[str, Any] = {"entropic": entropic}
+    extra = SamplingControl(t_cal=t_cal).request_args(key, 0.0, pruning).into(None)
     if fidelity is not None:  # loadtest.instruments: {"scale": s} or {"force": [ids]}
         extra.update({f"fidelity_{k}": v for k, v in fidelity.items()}, fidelity_key=key)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import statistics
 
 import httpx
 import openai
@@ -89,31 +90,40 @@ def test_sse_wire_format(server, served_model):
         json.loads(line[len("data: "):])
 
 
-def _mean_entropy_after_warmup(client, model, entropic: dict, temperature: float, warmup: int = 32) -> float:
-    def one(seed: int) -> list[float]:
+def _entropy_after_warmup(client, model, entropic: dict, temperature: float, warmup: int = 32) -> list[float]:
+    """Per seed (three requests at once): the mean entropy of the tokens after ``warmup``."""
+    def one(seed: int) -> float:
         out = client.completions.create(
             model=model, prompt="Write a long story about a dragon and a knight.", max_tokens=200, seed=seed,
             temperature=temperature, extra_body={"ignore_eos": True, "entropic": entropic})
-        return _entropic(out.choices[0])["entropy"][warmup:]
+        values = _entropic(out.choices[0])["entropy"][warmup:]
+        return sum(values) / len(values)
 
     with cf.ThreadPoolExecutor(3) as pool:
-        values = [h for hs in pool.map(one, [11, 12, 13]) for h in hs]
-    return sum(values) / len(values)
+        return list(pool.map(one, [11, 12, 13]))
 
 
 CONVERGENCE = {"eta": 0.3, "t_min": 0.05, "t_max": 5.0, "max_log_step": 10.0}
 
 
-@pytest.mark.parametrize("target", [1.0, 4.0])
-def test_temperature_law_converges_on_the_serving_path(client, served_model, target):
-    mean = _mean_entropy_after_warmup(client, served_model, {**CONVERGENCE, "target_entropy": target}, 1.0)
-    assert abs(mean - target) < 0.15, mean
+def test_the_law_drives_entropy_to_the_target_and_a_fixed_temperature_ignores_it(client, served_model):
+    """With the law on, the mean entropy lands on each target; with it off, the target changes nothing.
 
-
-def test_fixed_temperature_baseline_does_not_converge(client, served_model):
-    mean = _mean_entropy_after_warmup(client, served_model, {"enabled": False}, 1.0)
-    for target in (1.0, 4.0):
-        assert abs(mean - target) > 0.15, mean
+    The margin comes from the spread of the per-seed means (three standard errors, at least 0.15 nats).
+    The uncontrolled runs use the same seeds at both targets, so they differ only where a different
+    batch composition flips a sampled token; the comparison does not depend on where the model's own
+    entropy at T=1 happens to lie."""
+    controlled = {t: _entropy_after_warmup(client, served_model, {**CONVERGENCE, "target_entropy": t}, 1.0)
+                  for t in (1.0, 4.0)}
+    fixed = {t: _entropy_after_warmup(client, served_model, {"enabled": False, "target_entropy": t}, 1.0)
+             for t in (1.0, 4.0)}
+    for target, means in controlled.items():
+        mean = statistics.mean(means)
+        margin = max(0.15, 3 * statistics.stdev(means) / len(means) ** 0.5)
+        assert abs(mean - target) < margin, (target, means)
+    moved = statistics.mean(controlled[4.0]) - statistics.mean(controlled[1.0])
+    unmoved = abs(statistics.mean(fixed[4.0]) - statistics.mean(fixed[1.0]))
+    assert moved > 2.0 and unmoved < 0.5, (controlled, fixed)
 
 
 def _metric_values(text: str, name: str) -> dict[str, float]:

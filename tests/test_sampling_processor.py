@@ -12,15 +12,15 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from kernels.entropy import exact_entropy
-from workers.control_params import SamplingControl
-from workers.sampling import EXTRA_ARGS_KEY, EntropicLogitsProcessor
+from workers.control_params import EXTRA_ARGS_KEY, SamplingControl
+from workers.sampling import EntropicLogitsProcessor
 
 VOCAB = 64
 
 
 def params(key: str, temperature: float = 1.0, **control) -> SamplingParams:
-    cfg = SamplingControl(**control).engine_args(key, temperature)
-    return SamplingParams(temperature=1.0 if temperature > 0 else 0.0, extra_args={EXTRA_ARGS_KEY: cfg})
+    args = SamplingControl(**control).request_args(key, temperature)
+    return SamplingParams(temperature=1.0 if temperature > 0 else 0.0, extra_args=args.into(None))
 
 
 def update(added=(), removed=(), moved=()) -> BatchUpdate:
@@ -87,7 +87,7 @@ def test_calibration_temperature_enters_every_entropy_reading_but_leaves_greedy_
     scheduling see the calibrated entropy; a greedy row's logits stay untouched."""
     lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
     sampled = SamplingParams(temperature=0.5, extra_args={
-        EXTRA_ARGS_KEY: SamplingControl(enabled=False, t_cal=4.0).engine_args("s", 0.5)})
+        EXTRA_ARGS_KEY: SamplingControl(enabled=False, t_cal=4.0).request_args("s", 0.5).into(None)[EXTRA_ARGS_KEY]})
     lp.update_state(update(added=[(0, params("g", 0.0, t_cal=4.0), None, []), (1, sampled, None, [])]))
     z = torch.randn(2, VOCAB) * 3
     assert torch.equal(lp.apply(z.clone()), z)

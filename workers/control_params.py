@@ -6,12 +6,52 @@ One pydantic model serves both: the deployment config holds defaults, a request'
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 EstimatorName = Literal["exact", "topk", "tail"]
+EXTRA_ARGS_KEY = "entropic"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntropicArgs:
+    """The one contract between a request and the control layers inside vLLM, carried in
+    ``SamplingParams.extra_args["entropic"]`` (a plain dict there: vLLM copies and serializes it).
+
+    Written by ``workers.prompts`` (from ``SamplingControl.request_args``); read by the logits
+    processor (the temperature law and the entropy estimate), the scheduler (``key``) and the
+    engine runner and attention backend (``pruning``). ``key`` names the request across all of
+    them: vLLM's own request ids get a suffix, and its batch rows move.
+    """
+
+    key: str
+    control: bool  # run the temperature law (sampling rows only)
+    t0: float
+    target_entropy: float
+    eta: float
+    t_min: float
+    t_max: float
+    max_log_step: float
+    estimator: EstimatorName
+    topk: int
+    ema_alpha: float
+    t_cal: float
+    pruning: dict[str, Any] | None = None  # PruningControl.law_args(); None: dense attention
+
+    def into(self, extra_args: dict[str, Any] | None) -> dict[str, Any]:
+        """``extra_args`` with these arguments in them."""
+        return {**(extra_args or {}), EXTRA_ARGS_KEY: dataclasses.asdict(self)}
+
+    @classmethod
+    def of(cls, params: Any) -> EntropicArgs | None:
+        """The arguments a SamplingParams carries; None for a request that did not come through us.
+        A malformed entry raises TypeError naming the field."""
+        raw = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
+        return None if raw is None else cls(**raw)
 
 
 class SamplingControl(BaseModel):
@@ -52,22 +92,16 @@ class SamplingControl(BaseModel):
     def upper_temperature(self, requested: float | None) -> float:
         return self.initial_temperature(requested) if self.t_max is None else self.t_max
 
-    def engine_args(self, key: str, requested_temperature: float | None) -> dict[str, Any]:
-        """The plain dict the logits processor reads from SamplingParams.extra_args."""
-        return {
-            "key": key,
-            "control": self.enabled,
-            "t0": self.initial_temperature(requested_temperature),
-            "target_entropy": self.target_entropy,
-            "eta": self.eta,
-            "t_min": self.t_min,
-            "t_max": self.upper_temperature(requested_temperature),
-            "max_log_step": self.max_log_step if math.isfinite(self.max_log_step) else 1e9,
-            "estimator": self.estimator,
-            "topk": self.topk,
-            "ema_alpha": self.ema_alpha,
-            "t_cal": self.t_cal,
-        }
+    def request_args(self, key: str, requested_temperature: float | None,
+                     pruning: PruningControl | None = None) -> EntropicArgs:
+        """What one request under these settings asks of the engine's control layers."""
+        return EntropicArgs(
+            key=key, control=self.enabled, t0=self.initial_temperature(requested_temperature),
+            target_entropy=self.target_entropy, eta=self.eta, t_min=self.t_min,
+            t_max=self.upper_temperature(requested_temperature),
+            max_log_step=self.max_log_step if math.isfinite(self.max_log_step) else 1e9,
+            estimator=self.estimator, topk=self.topk, ema_alpha=self.ema_alpha, t_cal=self.t_cal,
+            pruning=pruning.law_args() if pruning is not None else None)
 
 
 class PruningControl(BaseModel):
@@ -101,8 +135,9 @@ class PruningControl(BaseModel):
             return self
         return PruningControl.model_validate({**self.model_dump(), **overrides})
 
-    def engine_args(self) -> dict[str, Any] | None:
-        """The plain dict the attention backend reads (``extra_args["entropic"]["pruning"]``); None: dense."""
+    def law_args(self) -> dict[str, Any] | None:
+        """The pruning law's parameters as the attention backend reads them (``EntropicArgs.pruning``);
+        None: dense."""
         if not self.enabled:
             return None
         return self.model_dump(exclude={"enabled"})

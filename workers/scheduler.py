@@ -8,9 +8,8 @@ first; under KV pressure vLLM preempts the largest priority value, i.e. the lowe
 the waiting queues (admission order), and, when ``preempt_margin`` is set, preempts the lowest-π
 running request when every slot is taken and a waiting request's π exceeds it by that factor (a
 preemption costs a recompute of the victim's prefix). It is off by default: with aging, a
-preempted request's π keeps growing until it preempts another; under overload a margin of 2 cut
-mean TTFT to 0.27x of FCFS but made p99 latency 2.3x worse, long generations being preempted
-again and again (docs/benchmarks/scheduling-preempt-margin-2.md).
+preempted request's π keeps growing until it preempts another, so under overload long generations
+can be preempted again and again (measured: docs/results/README.md).
 
 Decode-step grants (``grants``, a GrantBoard; controller.laws.grants): a running request whose key
 holds no lease is left out of the step, exactly like a running request vLLM's token budget did not
@@ -19,8 +18,8 @@ reach: it keeps its KV blocks and the model runner resumes it in place later (vl
 them). While they are left out, the running-request limits shrink by as many, so admission cannot
 fill their slots. Without a GrantBoard, or when no key holds a lease, nothing is withheld.
 
-vLLM appends a suffix to request ids: the caller's key (``extra_args["entropic"]["key"]``) maps
-to the internal id in ``add_request``.
+vLLM appends a suffix to request ids: the caller's key (``EntropicArgs.key``) maps to the
+internal id in ``add_request``.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ import time
 from vllm.v1.core.sched.request_queue import PriorityRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from workers.sampling import EXTRA_ARGS_KEY
+from workers.control_params import EntropicArgs
 from workers.tracking import GrantBoard, PriorityBoard
 
 
@@ -47,10 +46,9 @@ class EntropicScheduler(Scheduler):
         self._applied_version = 0
 
     def add_request(self, request) -> None:
-        params = request.sampling_params
-        cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
-        if cfg is not None:
-            self._keys[request.request_id] = str(cfg["key"])
+        args = EntropicArgs.of(request.sampling_params) if request.sampling_params is not None else None
+        if args is not None:
+            self._keys[request.request_id] = args.key
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):

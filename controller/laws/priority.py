@@ -14,7 +14,7 @@
   in units of ``ref_output_tokens``.
   C_s prices one step; R_s prices how many steps the slot stays taken. Without it π ranks a
   long free-form generation above a long-context question that needs a dozen tokens, and the
-  measured mean latency was worse than FCFS (docs/benchmarks/scheduling.md): shortest remaining
+  measured mean latency was worse than FCFS (docs/results/scheduling.md): shortest remaining
   work first is what lowers mean latency in a queue.
 * The aging factor doubles π every τ_age seconds waited. The paper's argument for Prop. 3
   (resolved sequences lose priority) does not prevent starvation by itself: a sequence
