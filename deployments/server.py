@@ -42,8 +42,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, AppConfig]:
     try:
         return args, AppConfig.model_validate(raw)
     except ValidationError as exc:
-        parser.error(f"invalid configuration:\n{exc}")
-        raise
+        parser.error(f"invalid configuration:\n{exc}")  # exits
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from workers.errors import InvalidRequest
 logger = logging.getLogger(__name__)
 
 _LEAVE_GRACE_S = 0.5
+_UNAVAILABLE_QUEUE = 1_000_000
 
 
 # Serve marks a replica unhealthy after three failed checks in a row: every 2 s keeps that under 10 s.
@@ -52,7 +53,9 @@ class EntropicWorker:
         """Polled by Serve for deployments.routing.SoonestServedRouter (a dict: Serve's format)."""
         self.core.routing_polls += 1
         load = self.core.load()
-        return {"at": time.time(), "running": load.running, "waiting": load.waiting,
+        # A replica whose engine has stopped must not look idle: it ranks last until Serve replaces it.
+        waiting = load.waiting if self.core.health_problem() is None else _UNAVAILABLE_QUEUE
+        return {"at": time.time(), "running": load.running, "waiting": waiting,
                 "max_num_seqs": load.max_num_seqs, "step_s": load.step_s, "unit_step_s": load.unit_step_s}
 
     async def check_health(self) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.hardware import cpu_flags
+from kernels.hardware import cache_root, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,7 @@ def _compile_flags() -> list[str]:
 def library_path() -> Path:
     flags = _compile_flags()
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ENTROPIC_CACHE", Path.home() / ".cache" / "entropic-serve")) / "kernels"
-    return cache / f"block_select-{digest}.so"
+    return cache_root() / "kernels" / f"block_select-{digest}.so"
 
 
 def build() -> Path:

@@ -1,7 +1,17 @@
-"""Facts about the machine that change how the engine should be configured."""
+"""Facts about the machine that change how the engine should be configured, and where our caches live."""
 from __future__ import annotations
 
+import os
 from functools import lru_cache
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where this project keeps what it builds and converts: $ENTROPIC_CACHE, else
+    $XDG_CACHE_HOME/entropic-serve, else ~/.cache/entropic-serve (the Makefile's VENV follows the same rule)."""
+    base = os.environ.get("ENTROPIC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "entropic-serve")
+    return Path(base)
 
 
 @lru_cache(maxsize=1)

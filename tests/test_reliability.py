@@ -125,16 +125,19 @@ def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
 
     before = _worker_replicas()
     assert len(before) == 2
-    with cf.ThreadPoolExecutor(8) as pool:
-        # Four long streams at once split 2/2 across the idle replicas (tests/test_cluster.py).
-        streams = [pool.submit(_stream, server, f"Volume {i}:", 400) for i in range(4)]
-        deadline = time.time() + 60
-        while True:  # every stream under way on both replicas
-            generated = [[s["generated"] for s in report.get("summaries", {}).values()]
-                         for report in httpx.get(f"{server}/debug/requests").json().values()]
-            if sum(1 for g in generated if g) == 2 and sum(x > 0 for g in generated for x in g) == 4:
+    with cf.ThreadPoolExecutor(16) as pool:
+        # Long streams until both replicas hold started ones: the router may put a burst on one replica
+        # when it measures that one faster (controller.laws.routing), so more come until both have some.
+        streams = [pool.submit(_stream, server, f"Volume {i}:", 300) for i in range(4)]
+        deadline = time.time() + 90
+        while True:
+            started = {r: sum(s["generated"] > 0 for s in report.get("summaries", {}).values())
+                       for r, report in httpx.get(f"{server}/debug/requests").json().items()}
+            if len(started) == 2 and all(started.values()) and sum(started.values()) == len(streams):
                 break
-            assert time.time() < deadline, f"the streams did not get under way on both replicas: {generated}"
+            assert time.time() < deadline, f"the streams did not get under way on both replicas: {started}"
+            if sum(started.values()) == len(streams) and len(streams) < 12:
+                streams.append(pool.submit(_stream, server, f"Volume {len(streams)}:", 300))
             time.sleep(0.1)
         injected_at = time.time()
         victim = serve.get_deployment_handle("EntropicWorker", app_name="entropic").inject_engine_fault.remote().result()
@@ -143,11 +146,11 @@ def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
         results = [f.result(timeout=300) for f in streams]
         assert [r.status_code for r in (f.result(timeout=300) for f in meanwhile)] == [200] * 4
     failed = [r for r in results if r["error"] is not None]
-    assert failed and len(failed) < 4, results
+    assert len(failed) == started[victim], (started, victim, results)  # exactly the victim's streams
     for r in failed:  # an in-band error object, then [DONE], within a second or two
         assert r["done"] and r["error"]["code"] == 500 and "Traceback" not in r["error"]["message"]
         assert r["ended"] - injected_at < 3.0, r
-    assert all(r["tokens"] == 400 and r["done"] for r in results if r["error"] is None)
+    assert all(r["tokens"] == 300 and r["done"] for r in results if r["error"] is None)
 
     # The replica leaves (it is gone well within Serve's 2 s health period) and Serve starts another.
     deadline = time.time() + 10

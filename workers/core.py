@@ -164,6 +164,8 @@ class ReplicaCore:
 
     async def control_step(self) -> None:
         """One control period: report telemetry, take π (and grants) from the controller or compute them here."""
+        if not self.runner.alive:
+            return  # say nothing: the controller's view drops a replica it stops hearing from
         now = time.monotonic()
         active = dict(self._active)
         states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
+
+from kernels.hardware import cache_root
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -25,13 +26,6 @@ _DONE_MARKER = ".entropic-converted.json"
 
 class ModelPreparationError(RuntimeError):
     pass
-
-
-def cache_root() -> Path:
-    base = os.environ.get("ENTROPIC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "entropic-serve"
-    )
-    return Path(base)
 
 
 def default_model_dir() -> Path:

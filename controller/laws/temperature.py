@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from controller.laws.priority import ewma
+
 CORRECTED_SIGN = -1.0
 PAPER_SIGN = +1.0
 
@@ -43,6 +45,4 @@ def next_temperature(t: float, entropy: float, law: TemperatureLaw) -> float:
 
 def smoothed_entropy(previous: float | None, entropy: float, alpha: float) -> float:
     """EMA of the entropy estimate used as the control input (alpha=1: no smoothing)."""
-    if previous is None or alpha >= 1.0:
-        return entropy
-    return (1.0 - alpha) * previous + alpha * entropy
+    return entropy if alpha >= 1.0 else ewma(previous, entropy, alpha)
