@@ -34,7 +34,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     worker = EntropicWorker.options(  # type: ignore[attr-defined]
         **scaling,
         max_ongoing_requests=config.max_ongoing_requests,
-        max_queued_requests=config.max_queued_requests,
+        max_queued_requests=config.queue_bound(),
         request_router_config=RequestRouterConfig(
             **({"request_router_class": "deployments.routing.SoonestServedRouter"}
                if config.request_router == "soonest_served" else {}),

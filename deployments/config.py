@@ -27,7 +27,12 @@ class AppConfig(ReplicaConfig):
     num_replicas: int = Field(1, ge=1, le=64)
     autoscaling: AutoscalingConfig | None = None
     max_ongoing_requests: int = Field(64, ge=1, description="per worker replica; more wait in Serve's queue")
-    max_queued_requests: int = Field(-1, ge=-1, description="Serve's queue bound per handle; -1: unbounded")
+    max_queued_requests: int | None = Field(
+        None, ge=-1, description="requests waiting in Serve's queue for a worker replica, per ingress replica; "
+        "past it, 503 with Retry-After. None: twice the engines' batch slots (2 x engine.max_num_seqs x replicas, "
+        "max_replicas with autoscaling); -1: unbounded")
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body the ingress reads; "
+                                   "larger ones get 413")
     num_cpus_per_replica: float = Field(1.0, ge=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)
     request_router: Literal["power_of_two", "soonest_served"] = Field(
@@ -35,6 +40,13 @@ class AppConfig(ReplicaConfig):
         "(the replica expected to serve a new request soonest, from the controller's view)")
     routing_view_period_s: float = Field(
         0.05, gt=0, le=1.5, description="how often the ingress fetches the controller's routing view (soonest_served)")
+
+    def queue_bound(self) -> int:
+        """Serve's max_queued_requests for the worker deployment (``max_queued_requests`` resolved)."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        replicas = self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+        return 2 * self.engine.max_num_seqs * replicas
 
     def replica(self) -> ReplicaConfig:
         """The part of this config one replica runs with."""

@@ -10,8 +10,9 @@ from controller.service import EntropyController
 from deployments.config import AppConfig
 
 
+# No access log: every replica reports 20 times a second, which would flood the console of `make serve`.
 @serve.deployment(name="EntropyController", num_replicas=1, max_ongoing_requests=1000,
-                  ray_actor_options={"num_cpus": 0})
+                  ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False})
 class ControllerDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         self._controller = EntropyController(AppConfig.model_validate(config).scheduling)

@@ -20,15 +20,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import protocol as p
 from deployments.config import AppConfig
-from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed
+from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
 _ATTEMPTS = 4  # replicas tried for one request before its first output
 _RETRY_BACKOFF_S = 0.2  # doubled after each failed try: a failed replica leaves within a second
 _RETRY_AFTER_S = 5
+_HEALTH_TIMEOUT_S = 2.0
 app = FastAPI(title="entropic-serve", description="OpenAI-compatible API with entropy control")
 
 
@@ -36,6 +39,27 @@ def _error(message: str, param: str | None = None, code: int = 400, kind: str = 
            retry_after: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(p.error_body(message, param, code, kind), status_code=code, headers=headers)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return _error(f"the request body is larger than {limit} bytes", code=413, kind="RequestTooLargeError")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """404, 405 and the like in the OpenAI error shape."""
+    kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "HTTPError")
+    response = _error(str(exc.detail), code=exc.status_code, kind=kind)
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Anything a handler did not foresee: an OpenAI 500 that names nothing internal, logged once here."""
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error("internal server error", code=500, kind="InternalServerError")
 
 
 def _failure_message(exc: BaseException, request_id: str) -> str:
@@ -103,10 +127,26 @@ class OpenAIIngress:
     # --- plain endpoints ------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
+        """Ready when some worker replica's engine loop is alive: one that reported to the controller
+        within STALE_AFTER_S (a replica whose engine stopped says nothing more, idle ones report once a
+        second). Asks the controller, never a worker, so it does not queue behind generation; with the
+        controller away, a worker's own health check through Serve decides."""
+        from deployments.routing_view import STALE_AFTER_S
+
         try:
-            await asyncio.wait_for(self.worker.info.remote(), timeout=10)
-        except Exception as exc:
-            return _error(f"no healthy worker: {exc!r}", code=503, kind="ServiceUnavailableError")
+            view = await asyncio.wait_for(self.controller.routing_view.remote(), timeout=_HEALTH_TIMEOUT_S)
+            live = [r for r, age in view.ages_s.items() if age <= STALE_AFTER_S]
+            if live:
+                return Response(status_code=200)
+            return _error("no worker replica has a running engine", code=503, kind="ServiceUnavailableError",
+                          retry_after=_RETRY_AFTER_S)
+        except Exception as exc:  # the controller is restarting: ask Serve to run one worker's health check
+            logger.info("health: controller unreachable (%s); asking a worker", type(exc).__name__)
+        try:
+            await asyncio.wait_for(self.worker.check_health.remote(), timeout=_HEALTH_TIMEOUT_S)
+        except Exception:
+            return _error("no healthy worker replica answered", code=503, kind="ServiceUnavailableError",
+                          retry_after=_RETRY_AFTER_S)
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -117,16 +157,20 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        from controller.metrics_merge import render
+        """Every worker replica's series, merged by the controller; 503 while it has none of them (it is
+        restarting, or none reported yet): a partial page would read as replicas gone idle."""
+        from controller.metrics_merge import merge_families, render
+        from deployments.routing_view import ROUTING_REGISTRY
 
         try:
             families = await asyncio.wait_for(self.controller.metric_families.remote(), timeout=10)
-        except Exception as exc:  # e.g. the controller is restarting: say so, serving is unaffected
-            return _error(f"metrics are unavailable while the controller is down: {exc!r}", code=503,
-                          kind="ServiceUnavailableError")
-        from controller.metrics_merge import merge_families
-        from deployments.routing_view import ROUTING_REGISTRY
-
+        except Exception as exc:
+            logger.info("metrics: controller unreachable (%s)", type(exc).__name__)
+            families = []
+        sources = {s.labels.get("replica") for family in families for s in family.samples}
+        if not sources - {"controller", None}:
+            return _error("metrics are unavailable until the controller has heard from a worker replica",
+                          code=503, kind="ServiceUnavailableError", retry_after=1)
         families += merge_families({"ingress": ROUTING_REGISTRY.collect()})
         return Response(render(families), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -135,7 +179,8 @@ class OpenAIIngress:
         try:
             return JSONResponse(await asyncio.wait_for(self.controller.profiles.remote(), timeout=10))
         except Exception as exc:
-            return _error(f"the controller is unavailable: {exc!r}", code=503, kind="ServiceUnavailableError")
+            logger.info("debug: controller unreachable (%s)", type(exc).__name__)
+            return _error("the controller is unavailable", code=503, kind="ServiceUnavailableError", retry_after=1)
 
     @app.get("/debug/routing")
     async def debug_routing(self) -> JSONResponse:
@@ -155,8 +200,16 @@ class OpenAIIngress:
         return await self._generate("completion", raw)
 
     async def _generate(self, kind: str, raw: Request) -> Response:
+        declared = raw.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.config.max_request_bytes:
+            return _too_large(self.config.max_request_bytes)
+        payload = bytearray()
+        async for piece in raw.stream():  # counted as it arrives: a body without a length is bounded too
+            payload += piece
+            if len(payload) > self.config.max_request_bytes:
+                return _too_large(self.config.max_request_bytes)
         try:
-            body = json.loads(await raw.body())
+            body = json.loads(bytes(payload))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return _error(f"the request body is not valid JSON: {exc}")
         except RecursionError:
@@ -176,6 +229,9 @@ class OpenAIIngress:
             return _error(exc.message, code=503, kind="ServiceUnavailableError", retry_after=_RETRY_AFTER_S)
         except RequestFailed as exc:
             return _error(exc.message, code=500, kind="InternalServerError")
+        except BackPressureError:  # Serve's queue for the workers is full (max_queued_requests)
+            return _error("the server is at capacity; retry shortly", code=503, kind="ServiceUnavailableError",
+                          retry_after=_RETRY_AFTER_S)
         except Exception:
             logger.exception("generation failed before its first output")
             return _error("generation failed", code=500, kind="InternalServerError")
@@ -197,7 +253,10 @@ class OpenAIIngress:
         for attempt in range(_ATTEMPTS):
             stream = self.worker_stream.generate.remote(kind, request, p.overrides(request))
             try:
-                return await stream.__anext__(), stream
+                first = await stream.__anext__()
+                if isinstance(first, RequestError):  # deployments.worker yields expected failures
+                    raise first
+                return first, stream
             except StopAsyncIteration:
                 raise RequestFailed("the engine produced no output") from None
             except (ReplicaUnavailable, RayActorError) as exc:
@@ -214,6 +273,8 @@ class OpenAIIngress:
     async def _deltas(self, first: Any, stream: Any) -> AsyncIterator[Any]:
         yield first
         async for delta in stream:
+            if isinstance(delta, RequestError):
+                raise delta
             yield delta
 
     async def _sse(self, kind: str, rid: str, created: int, first: Any, stream: Any, include_usage: bool):

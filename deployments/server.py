@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     base = f"http://{args.host}:{args.port}"
     print(json.dumps({"ready": base, "openai_base_url": f"{base}/v1", "metrics": f"{base}/metrics",
                       "model": config.model_name}), flush=True)
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # as Ctrl-C: Serve drains every replica before it exits
     try:
         while True:
             time.sleep(3600)

@@ -19,7 +19,7 @@ from controller.messages import ControllerAnswer, TelemetryReport
 from deployments.config import AppConfig
 from workers.core import ReplicaCore
 from workers.engine import Delta
-from workers.errors import InvalidRequest
+from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,16 @@ class EntropicWorker:
                                 controller=report if controller is not None else None, on_fatal=self._engine_failed)
         self.core.start()
 
-    async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None) -> AsyncIterator[Delta]:
-        async for delta in self.core.generate(kind, request, overrides):
-            yield delta
+    async def generate(self, kind: str, request: Any,
+                       overrides: dict[str, Any] | None) -> AsyncIterator[Delta | RequestError]:
+        """The request's deltas; an expected failure (the client's mistake, an engine that stopped, one
+        request failing inside the engine) is the last item, not raised: Serve logs every exception a
+        replica raises with its traceback at ERROR, which a client's 400 is not."""
+        try:
+            async for delta in self.core.generate(kind, request, overrides):
+                yield delta
+        except (InvalidRequest, ReplicaUnavailable, RequestFailed) as exc:
+            yield exc
 
     def info(self) -> dict[str, Any]:
         return self.core.info()

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.machine import cpu_text
 from loadtest.workload import Job, distinct_n, mixed_jobs, repetition_rate
 
 CONFIGS = {
@@ -205,7 +206,7 @@ ABSOLUTE = [("exact_accuracy", "exact answers"), ("passkey_accuracy", "passkey")
 def _markdown(result: dict) -> str:
     m = result["machine"]
     lines = ["# Ablation (paper Table 1), measured", "", f"Command: `{result['command']}` (run {result['date']})", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU {m['gpu']}; torch {m['torch']}, "
+             f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU {m['gpu']}; torch {m['torch']}, "
              f"vllm {m['vllm']}.", "", "Normalized to the baseline (1.00 = baseline):", "",
              "| configuration | " + " | ".join(label for _, label in NORMALIZED) + " |",
              "|---" * (len(NORMALIZED) + 1) + "|"]

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from kernels.entropy import estimate
-    from loadtest.machine import publish
+    from loadtest.machine import cpu_text, publish
 
     logits, prompt_tokens = collect_logits(args.tokens, args.seed)
     variants = [("exact", 0)] + [(name, k) for k in args.k for name in ("topk", "tail")]
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     def render(result: dict) -> str:
         m = result["machine"]
         lines = ["# Entropy estimators (paper §6.1), measured", "", f"Command: `{result['command']}` (run {result['date']})",
-                 "", f"Machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}. {result['rows_measured']} real "
+                 "", f"Machine: {cpu_text(m)}, {m['cores']} cores; torch {m['torch']}. {result['rows_measured']} real "
                  "next-token distributions of the default model (vocabulary 49152).", "",
                  "| estimator | k | µs/row | Pearson r vs exact | MAE (nats) | bias (nats) | mean abs Δlog T | "
                  "mean abs Δkeep fraction | steps with different K (32 blocks) | steps with different top-half "

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+_RESULT = "bench_embedding result: "
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how photosynthesis works.",
            "Describe the city of Paris to a tourist.", "Write a poem about the ocean."]
 
@@ -65,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/results/engine-embedding")
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)))
+        print(_RESULT + json.dumps(worker(args)), flush=True)
         return 0
 
-    from loadtest.machine import publish
+    from loadtest.machine import cpu_text, publish
 
     arms = ["in_process", "multiprocess"]
     runs: dict[str, list[dict]] = {a: [] for a in arms}
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 raise RuntimeError(f"{arm} failed:\n{out.stderr[-4000:]}")
-            runs[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            # the engine core process of the multiprocess arm logs to stdout too: find our line
+            line = next(x for x in out.stdout.splitlines() if x.startswith(_RESULT))
+            runs[arm].append(json.loads(line[len(_RESULT):]))
             print(f"round {r + 1} {arm}: {runs[arm][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
     summary = {a: {k: st.median(x[k] for x in runs[a]) for k in ("tokens_per_s", "single_16_tokens_s")} for a in arms}
     paired = [m["tokens_per_s"] / i["tokens_per_s"] for i, m in zip(runs["in_process"], runs["multiprocess"])]
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return "\n".join([
             "# Engine in the replica's process vs vLLM's multiprocess engine core", "",
             f"Command: `{result['command']}` (run {result['date']})", "",
-            f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
+            f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
             f"vllm {m['vllm']}; {args.threads} engine threads, float32, plain vLLM in both (no plugin, no "
             "logits processor of ours).", "",
             f"Batch {args.batch} x {args.max_tokens} tokens (ignore_eos), {args.reps} repetitions per process, "

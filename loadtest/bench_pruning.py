@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from loadtest.machine import cpu_text
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -130,8 +132,11 @@ def _run_worker(kind: str, block_size: int, args) -> dict:
 
 
 def _render(result: dict) -> str:
+    m = result["machine"]
     lines = [f"# KV pruning benchmark: plain vLLM vs entropic pruning ({result['date']})", "",
-             f"Command: `{result['command']}`", "", f"Machine: {result['machine']}", "",
+             f"Command: `{result['command']}`", "",
+             f"Machine: {cpu_text(m)}, {m['cores']} cores, "
+             f"{m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, vllm {m['vllm']}; float32.", "",
              f"Batch {result['batch']}, {result['new_tokens']} new tokens, median of {result['reps']} repetitions "
              f"x {result.get('rounds', 1)} alternating plain/pruned process pairs, pruning setting: {result['setting']}. "
              "Bound: the ratio if attention cost nothing (plain rate at the shortest context / plain rate here).", "",

@@ -24,6 +24,7 @@ import sys
 import time
 
 from loadtest.bench_scheduling import CLASSES, Job, latency_stats, make_trace, median_summary
+from loadtest.machine import cpu_text
 
 ROUTERS = ("power_of_two", "soonest_served")
 
@@ -166,7 +167,7 @@ def _markdown(result: dict) -> str:
     lines = [
         "# Routing across two replicas: Serve's power-of-two vs soonest-served (controller view)", "",
         f"Command: `{result['command']}` (run {result['date']})", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
+        f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
         f"vllm {m['vllm']}. Ray Serve on this machine: two worker replicas (1 engine thread each, "
         f"max_num_seqs {s['max_num_seqs']}, {'FCFS' if s.get('fcfs') else 'π'} scheduling), controller, HTTP "
         "ingress; requests over HTTP (streamed).", "",

@@ -21,6 +21,8 @@ import statistics as st
 import sys
 import time
 
+from loadtest.machine import cpu_text
+
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
     "Explain how photosynthesis works.",
@@ -152,7 +154,7 @@ def _markdown(result: dict) -> str:
     lines = [
         "# Entropy-stabilized sampling vs plain vLLM", "",
         f"Command: `{result['command']}` (run {result['date']})", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; "
+        f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; "
         f"torch {m['torch']}, vllm {m['vllm']}; {s['threads']} engine threads, dtype {result['dtype']}.", "",
         f"Batch {s['batch']} requests x {s['max_tokens']} tokens (ignore_eos), estimator `{s['estimator']}`, "
         f"medians over {s['rounds']} interleaved rounds (order rotated each round); ratios to plain are taken "

@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from loadtest.machine import cpu_text
+
 FILLER = ("The committee met on a grey morning to review the harbour accounts, the repairs to the north pier "
           "and the schedule of the autumn ferries. ")
 CLASSES = {  # name: (share, slo seconds, max_tokens)
@@ -194,7 +196,7 @@ def _markdown(result: dict) -> str:
     lines = [
         "# π(s) scheduling vs FCFS (the scheduling layer off: vLLM's own scheduler) under Poisson arrivals", "",
         f"Command: `{result['command']}` (run {result['date']})", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
+        f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
         f"vllm {m['vllm']}; {s['threads']} engine threads, max_num_seqs {s['max_num_seqs']}.", "",
         f"{s['requests']} requests at {s['rate']} req/s (seed {s['seed']}); classes (share, SLO s, max tokens): "
         + ", ".join(f"{k} {v[0]}/{v[1]}/{v[2]}" for k, v in result["classes"].items())

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from loadtest.machine import publish
+    from loadtest.machine import cpu_text, publish
     from workers.model_store import resolve_model
 
     model_dir = str(resolve_model(args.model))
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     def render(result: dict) -> str:
         m, n = result["machine"], result["naive"]
         lines = ["# Calibration stress (paper §6.2), measured", "", f"Command: `{result['command']}` (run {result['date']})",
-                 "", f"Machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}, vllm {m['vllm']}.", "",
+                 "", f"Machine: {cpu_text(m)}, {m['cores']} cores; torch {m['torch']}, vllm {m['vllm']}.", "",
                  f"Passkeys: {len(result['prompt_tokens'])} prompts of {min(result['prompt_tokens'])}-"
                  f"{max(result['prompt_tokens'])} tokens, greedy, {result['max_tokens']} new tokens. Pruning law without "
                  f"guards: keep_min {n['keep_min']}, B_min {n['min_blocks']}, keep fraction from entropy "

@@ -47,3 +47,8 @@ def publish(module: str, argv: list[str] | None, out: str, fields: dict, render)
     path.with_suffix(".md").write_text(text)
     print(text)
     return result
+
+
+def cpu_text(machine: dict) -> str:
+    """The CPU as a result file names it: model and the flags that chose dtype and kernels."""
+    return f"{machine['cpu']} (CPU flags: {machine.get('cpu_flags', 'not recorded')})"

@@ -26,6 +26,9 @@ TEST_APP_CONFIG = {
     "telemetry_period_s": 0.05,
     "request_router": "soonest_served",  # the router the routing tests are about (Serve's is the default)
     "fault_injection": True,  # tests/test_reliability.py stops an engine loop from inside
+    # Small enough that tests/test_reliability.py can overload the application with one burst
+    "max_ongoing_requests": 24,
+    "max_queued_requests": 8,
 }
 
 

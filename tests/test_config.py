@@ -36,6 +36,23 @@ def test_invalid_values_name_the_field(raw, field):
     assert field in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
+def test_engine_parallelism_is_refused_at_start_naming_the_field(name):
+    """A replica runs its engine in its own process (docs/design/engine-embedding.md)."""
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate({"engine": {"extra": {name: 2}}})
+    assert f"engine.extra.{name}=2" in str(info.value) and "engine-embedding.md" in str(info.value)
+    assert AppConfig.model_validate({"engine": {"extra": {name: 1}}})  # one is what a replica runs
+
+
+def test_telemetry_off_turns_every_control_layer_off():
+    from workers.config import ReplicaConfig
+
+    plain = ReplicaConfig(telemetry=False).layers_on()
+    assert not (plain.sampling.enabled or plain.pruning.enabled or plain.scheduling.enabled)
+    assert ReplicaConfig().layers_on() == ReplicaConfig()
+
+
 def test_request_overrides_merge_over_defaults():
     defaults = SamplingControl(target_entropy=2.0, t_max=3.0)
     merged = defaults.merged({"target_entropy": 1.0})

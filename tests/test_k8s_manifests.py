@@ -96,7 +96,7 @@ def test_inline_serve_config_parses_into_ray_and_our_config(path, doc):
         module, attr = app["import_path"].split(":")
         assert callable(getattr(importlib.import_module(module), attr))
         config = AppConfig.model_validate(app["args"])
-        assert config.autoscaling is not None and config.max_queued_requests > 0
+        assert config.autoscaling is not None and config.queue_bound() > 0
         head = doc["spec"]["rayClusterConfig"]["headGroupSpec"]
         assert head["rayStartParams"]["num-cpus"] == "0"  # no engine on the head
         workers = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]

@@ -119,6 +119,71 @@ def test_generated_poison_always_gets_an_openai_400(server, case):
     _assert_openai_400(_post(server, kind, fields))
 
 
+def test_unknown_paths_methods_and_oversized_bodies_get_openai_errors(server):
+    for response, code in ((httpx.get(f"{server}/v1/nothing-here"), 404),
+                           (httpx.get(f"{server}/v1/chat/completions"), 405),
+                           (httpx.post(f"{server}/v1/completions", content=b"x" * (5 * 2**20),
+                                       headers={"content-type": "application/json"}), 413),
+                           (httpx.post(f"{server}/v1/completions", content=b"[" * 100_000), 400)):
+        assert response.status_code == code, response.text
+        error = response.json()["error"]
+        assert error["code"] == code and error["message"] and "Traceback" not in response.text
+
+
+def test_health_answers_at_once_while_the_engines_are_busy(server):
+    with cf.ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(_stream, server, f"Part {i}:", 120) for i in range(6)]
+        time.sleep(2.0)
+        started = time.monotonic()
+        response = httpx.get(f"{server}/health", timeout=30)
+        took = time.monotonic() - started
+        assert [f.result(timeout=300)["tokens"] for f in streams] == [120] * 6
+    assert response.status_code == 200 and took < 1.0, took
+
+
+def test_a_burst_beyond_capacity_is_shed_with_503_and_retry_after(server):
+    """24 ongoing per replica x 2 replicas + 8 queued (tests/conftest.py): of 90 requests at once, the
+    rest are refused with 503 and Retry-After, never a 500, and every admitted one completes."""
+    body = {"prompt": "Tell me about the sea.", "max_tokens": 24, "ignore_eos": True}
+
+    def one(_: int) -> httpx.Response:
+        return httpx.post(f"{server}/v1/completions", json=body, timeout=300)
+
+    with cf.ThreadPoolExecutor(90) as pool:
+        responses = list(pool.map(one, range(90)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503} and codes.count(503) > 0 and codes.count(200) >= 56, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "5" and r.json()["error"]["type"] == "ServiceUnavailableError"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 24
+
+
+def _metric_sum(server: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_disconnect_frees_the_engine_and_the_gauges_say_so(server):
+    before = _metric_sum(server, "entropic_requests_ended_early_total", reason="client_gone")
+    body = {"prompt": "A very long tale:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 6:
+                break  # leave mid-stream: the client goes away
+    deadline = time.time() + 10
+    while _metric_sum(server, "vllm:num_requests_running") > 0 or _metric_sum(
+            server, "entropic_requests_ended_early_total", reason="client_gone") <= before:
+        # gauges are refreshed on the abort itself, then shipped with the once-a-second metrics report
+        assert time.time() < deadline, "the running gauge or the abort counter never caught up with the disconnect"
+        time.sleep(0.2)
+
+
 @pytest.mark.disruptive
 def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
     from ray import serve

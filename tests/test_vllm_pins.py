@@ -1,7 +1,18 @@
 """Our adapters touch vLLM internals written for vllm 0.32.0; these fail loudly when vLLM changes.
 
-(The engine-object path ``engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-.input_batch.logitsprocs`` is checked by every engine start: EngineRunner raises if it is gone.)
+Every touch of a vLLM internal, and where it is:
+- ``workers/engine.py``: the in-process engine's objects, ``LLMEngine.engine_core`` (an InprocClient)
+  ``.engine_core`` (the EngineCore) ``.scheduler`` and ``.model_executor.driver_worker.worker
+  .model_runner.input_batch.logitsprocs`` (checked at every engine start: EngineRunner raises if the
+  processor is not found there; the scheduler path by ``test_inprocess_engine_object_path``);
+  ``SamplingParams.verify``; ``VLLMClientError``.
+- ``workers/scheduler.py``: ``Scheduler`` internals (``_preempt_request``, ``running``, ``waiting``,
+  ``PriorityRequestQueue._heap``, ``max_num_running_reqs``).
+- ``workers/sampling.py``: the logits-processor interface and ``BatchUpdate``.
+- ``workers/pruned_attention*.py``, ``workers/pruning_plan.py``, ``workers/vllm_plugin.py``: the CPU and
+  Triton attention backends and the backend registry (``tests/test_pruning_gpu_path.py`` too).
+- ``workers/prompts.py``, ``deployments/protocol.py``: the OpenAI protocol models, ``to_sampling_params``,
+  ``resolve_chat_template_kwargs``.
 """
 import inspect
 
@@ -160,3 +171,27 @@ def test_request_validation_entry_points():
     assert {"speculative_config", "structured_outputs_config"} <= set(VllmConfig.__dataclass_fields__)
     assert list(inspect.signature(resolve_chat_template_kwargs).parameters)[:3] == [
         "tokenizer", "chat_template", "chat_template_kwargs"]
+
+
+def test_inprocess_engine_object_path():
+    """workers/engine.py reaches the scheduler of an in-process engine through these attributes."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    assert "self.engine_core = EngineCore(" in inspect.getsource(InprocClient.__init__)
+    assert "self.scheduler" in inspect.getsource(EngineCore.__init__)
+    assert "self.model_executor" in inspect.getsource(EngineCore.__init__)
+    assert "self.engine_core = EngineCoreClient.make_client(" in inspect.getsource(LLMEngine.__init__)
+
+
+def test_stat_logging_we_call_between_steps():
+    """workers/engine.py refreshes vLLM's gauges after the last request of a replica is aborted."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    assert "self.logger_manager" in inspect.getsource(LLMEngine.__init__)
+    assert list(inspect.signature(StatLoggerManager.record).parameters)[:3] == [
+        "self", "scheduler_stats", "iteration_stats"]
+    assert hasattr(Scheduler, "make_stats")

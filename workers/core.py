@@ -65,7 +65,8 @@ class ReplicaCore:
         if self.scheduling.enabled:
             engine_kwargs.update(scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority")
         self.runner = EngineRunner(engine_kwargs, on_step=self.metrics.observe_step, on_fatal=on_fatal,
-                                   logits_processors=logits_processors, telemetry=config.telemetry)
+                                   logits_processors=logits_processors, telemetry=config.telemetry,
+                                   on_abort=self.metrics.observe_ended_early)
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()
         self.block_size = self.runner.engine.vllm_config.cache_config.block_size
         self.board = PriorityBoard()

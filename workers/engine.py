@@ -89,7 +89,7 @@ class EngineRunner:
 
     def __init__(self, engine_kwargs: dict[str, Any], on_step: StepObserver | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None, logits_processors: Sequence[type] = (),
-                 telemetry: bool = True) -> None:
+                 telemetry: bool = True, on_abort: Callable[[str], None] | None = None) -> None:
         """``telemetry`` False: no entropy logits processor, so the engine is vLLM's as shipped (and
         every ``Delta`` has empty entropy). ``logits_processors``: more processors, in the order vLLM
         applies them; ours runs first unless the list names ``EntropicLogitsProcessor`` elsewhere."""
@@ -109,6 +109,7 @@ class EngineRunner:
         self.max_model_len = self.engine.model_config.max_model_len
         self._on_step = on_step
         self._on_fatal = on_fatal
+        self._on_abort = on_abort  # called with why a request ended early: client_gone, failed, engine_stopped
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # registering a stream vs. failing them all when the loop dies
@@ -214,11 +215,30 @@ class EngineRunner:
         self._forget(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._ended_early("invalid" if isinstance(error, InvalidRequest) else "failed")
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self.engine.abort_request([request_id])
             self._forget(request_id)
+            self._ended_early("client_gone")
+
+    def _ended_early(self, reason: str) -> None:
+        if self._on_abort is not None:
+            self._on_abort(reason)
+        if not self.engine.has_unfinished_requests():
+            self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        """Record the scheduler's state now. vLLM records its gauges (running, waiting, KV-cache use) only
+        at a step, so after the last request of a replica is aborted they would keep their last values
+        until the next request arrived."""
+        manager = getattr(self.engine, "logger_manager", None)
+        if manager is None:
+            return
+        stats = self.scheduler.make_stats()
+        if stats is not None:
+            manager.record(scheduler_stats=stats, iteration_stats=None)
 
     def _forget(self, key: str) -> None:
         if self.processor is not None:
@@ -264,6 +284,8 @@ class EngineRunner:
         for stream in streams.values():  # before its first output the ingress may retry it elsewhere
             stream.loop.call_soon_threadsafe(
                 stream.queue.put_nowait, ReplicaUnavailable("the engine on this replica failed before the request finished"))
+            if self._on_abort is not None:
+                self._on_abort("engine_stopped")
         if self._on_fatal is not None:
             try:
                 self._on_fatal(exc)

@@ -6,7 +6,11 @@ exception reaches the ingress wrapped in a ``RayTaskError`` that still subclasse
 from __future__ import annotations
 
 
-class InvalidRequest(ValueError):
+class RequestError(Exception):
+    """An expected way for one request to fail (the three below); the ingress answers each its own way."""
+
+
+class InvalidRequest(ValueError, RequestError):
     """The client's mistake, found anywhere on the request path: HTTP 400 naming ``param``."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -18,7 +22,7 @@ class InvalidRequest(ValueError):
         return self.message
 
 
-class ReplicaUnavailable(RuntimeError):
+class ReplicaUnavailable(RuntimeError, RequestError):
     """This replica cannot take the request (its engine has stopped, or it is draining).
 
     Nothing was generated, so the ingress may send the request elsewhere; if it cannot, HTTP 503
@@ -33,7 +37,7 @@ class ReplicaUnavailable(RuntimeError):
         return self.message
 
 
-class RequestFailed(RuntimeError):
+class RequestFailed(RuntimeError, RequestError):
     """One request failed inside the engine through no fault of the client; the engine goes on.
 
     The message is safe to show a client; the cause is logged on the replica with the request key.

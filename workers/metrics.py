@@ -63,6 +63,11 @@ class ReplicaMetrics:
         self._withheld = Counter("entropic_grant_withheld_steps", "Running sequences left out of an engine step "
                                  "for lack of a decode-step grant", ["model_name"], registry=registry).labels(model_name)
         self._grants_seen = (0, 0)
+        self._ended_early = Counter("entropic_requests_ended_early", "Requests that ended before they finished, by why: "
+                                    "client_gone (the client disconnected), invalid (refused by the engine), failed, "
+                                    "engine_stopped", ["model_name", "reason"], registry=registry)
+        self._ended_early_by = {r: self._ended_early.labels(model_name, r)
+                                for r in ("client_gone", "invalid", "failed", "engine_stopped")}
         self._preemptions = Counter("entropic_priority_preemptions", "Running requests preempted for a higher-π waiting one",
                                     ["model_name"], registry=registry).labels(model_name)
 
@@ -76,6 +81,9 @@ class ReplicaMetrics:
         if withheld_steps > self._grants_seen[1]:
             self._withheld.inc(withheld_steps - self._grants_seen[1])
         self._grants_seen = (renewals, withheld_steps)
+
+    def observe_ended_early(self, reason: str) -> None:
+        self._ended_early_by[reason].inc()
 
     def observe_preemptions(self, count: int) -> None:
         if count > 0:
