@@ -74,6 +74,11 @@ _UNSUPPORTED = {
     "suffix": "suffix is not supported",
     "logprobs": "logprobs are not supported yet",
     "prompt_logprobs": "prompt_logprobs are not supported yet",
+    # vLLM's server refuses these unless started with --trust-request-chat-template /
+    # --logits-processors; this server renders every chat with the model's own template and runs
+    # only its own processors, and says so instead of ignoring them
+    "chat_template": "a chat template per request is not accepted: the model's own template renders every chat",
+    "logits_processors": "logits processors per request are not accepted",
 }
 
 

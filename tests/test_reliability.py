@@ -28,6 +28,7 @@ POISON = [
     ("chat", {"bad_words": ["\udc00"]}, "bad_words[0]"),
     ("completion", {"prompt": [1, 2, -7]}, "prompt[2]"),
     ("chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # at most 4, as in OpenAI's API
+    ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),  # not silently ignored
     ("completion", {"prompt": [VOCAB]}, "prompt"),
 ]
 
