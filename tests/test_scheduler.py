@@ -30,9 +30,12 @@ def engine(model_dir):
 def _add(engine, keys):
     from vllm import SamplingParams
 
-    for key in keys:
+    from workers.control_params import SamplingControl
+
+    for key in keys:  # the request contract as served (workers.control_params.EntropicArgs)
+        extra = SamplingControl(enabled=False).request_args(key, 0.0).into(None)
         engine.add_request(key, f"Tell me about the number {key}.", SamplingParams(
-            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"entropic": {"key": key}}))
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra))
 
 
 def _running(scheduler) -> set[str]:
