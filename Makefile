@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test test-unit model bench bench-scheduling bench-routing bench-pruning bench-embedding ablation ablation-estimators calibration-stress prometheus dashboards
+.PHONY: install serve test test-unit model bench bench-scheduling bench-routing bench-pruning bench-embedding ablation ablation-estimators calibration-stress prometheus dashboards gpu-check gpu-check-vendor
 install: $(STAMP)
 
 $(STAMP):
@@ -60,3 +60,17 @@ bench: model
 
 $(LOADTEST): model
 	$(PY) -m loadtest.$(subst -,_,$@) $(ARGS)
+
+# The GPU check (loadtest/gpu_check.py) needs only torch, triton and this tree, so it runs on a GPU machine
+# without vLLM: `make gpu-check-vendor` copies vLLM's Triton attention kernel (two source files, unmodified)
+# from the installed vLLM into .gpu-check/vllm-ops, which travels with the tree; then, on the GPU machine,
+# `make gpu-check PY=python3` (results under $$OUT when set, else docs/results/gpu-kernels.md).
+GPU_OPS := .gpu-check/vllm-ops
+gpu-check-vendor: install
+	mkdir -p $(GPU_OPS)
+	$(PY) -c "import pathlib, shutil, vllm, vllm.v1.attention.ops as ops; d = pathlib.Path(ops.__file__).parent; \
+	[shutil.copy(d / f'{n}.py', '$(GPU_OPS)') for n in ('triton_unified_attention', 'triton_attention_helpers')]; \
+	pathlib.Path('$(GPU_OPS)/VERSION').write_text(vllm.__version__)"
+
+gpu-check:
+	$(PY) -m loadtest.gpu_check $(if $(wildcard $(GPU_OPS)/triton_unified_attention.py),--vllm-ops $(GPU_OPS)) $(ARGS)

@@ -2,7 +2,10 @@
 
 ``exact_entropy``: one pass over each row with an online log-sum-exp: running max m,
 A = sum e^(z-m), B = sum e^(z-m) (z-m); H = log A - B / A. Rescaling on a new max:
-A <- s A, B <- s (B + A (m - m')), s = e^(m - m').
+A <- s A, B <- s (B + A (m - m')), s = e^(m - m'). A row is split over several programs, each
+folding its columns into (m, A, B), and a second kernel merges them with the same rescaling: with
+one program per row, the loop's latency, not the memory, bounds the kernel (the launch shapes
+measured on an H100 are in docs/results/gpu-kernels.md).
 
 ``topk_entropies``: torch.topk picks the k largest logits (already sorted); one program per
 row turns them, the row's log-sum-exp (from the same online pass) and its count of finite
@@ -17,21 +20,25 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG_BIG = -3.0e38
+_NEG_BIG = tl.constexpr(-3.0e38)  # a plain global is refused by the compiler (the interpreter allows it)
 
 
 @triton.jit
-def _row_stats_kernel(z_ptr, stride, n_cols, lse_ptr, h_ptr, nfin_ptr, BLOCK: tl.constexpr):
+def _partial_stats_kernel(z_ptr, stride, n_cols, chunk, part_ptr, BLOCK: tl.constexpr):
+    # program (row, split) folds columns [split * chunk, (split + 1) * chunk) into (m, A, B, finite count)
     row = tl.program_id(0)
+    split = tl.program_id(1)
     base = z_ptr + row * stride
     offs = tl.arange(0, BLOCK)
     m = tl.full((), _NEG_BIG, tl.float32)
     a = tl.zeros((), tl.float32)
     b = tl.zeros((), tl.float32)
     nfin = tl.zeros((), tl.int32)
-    for start in range(0, n_cols, BLOCK):
+    first = split * chunk
+    last = tl.minimum(first + chunk, n_cols)
+    for start in range(first, last, BLOCK):
         idx = start + offs
-        z = tl.load(base + idx, mask=idx < n_cols, other=float("-inf")).to(tl.float32)
+        z = tl.load(base + idx, mask=idx < last, other=float("-inf")).to(tl.float32)
         finite = z > _NEG_BIG
         m_new = tl.maximum(m, tl.max(tl.where(finite, z, _NEG_BIG), axis=0))
         scale = tl.exp(m - m_new)
@@ -43,9 +50,31 @@ def _row_stats_kernel(z_ptr, stride, n_cols, lse_ptr, h_ptr, nfin_ptr, BLOCK: tl
         b += tl.sum(e * d, axis=0)
         nfin += tl.sum(finite.to(tl.int32), axis=0)
         m = m_new
-    tl.store(lse_ptr + row, m + tl.log(a))
-    tl.store(h_ptr + row, tl.log(a) - b / a)
-    tl.store(nfin_ptr + row, nfin)
+    out = part_ptr + (row * tl.num_programs(1) + split) * 4
+    tl.store(out, m)
+    tl.store(out + 1, a)
+    tl.store(out + 2, b)
+    tl.store(out + 3, nfin.to(tl.float32))
+
+
+@triton.jit
+def _combine_stats_kernel(part_ptr, splits, lse_ptr, h_ptr, nfin_ptr, BLOCK_S: tl.constexpr):
+    # the same rescaling as a new maximum inside the loop, across the row's splits
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    valid = offs < splits
+    part = part_ptr + (row * splits + offs) * 4
+    m = tl.load(part, mask=valid, other=_NEG_BIG)
+    a = tl.load(part + 1, mask=valid, other=0.0)
+    b = tl.load(part + 2, mask=valid, other=0.0)
+    nfin = tl.load(part + 3, mask=valid, other=0.0)
+    top = tl.max(m, axis=0)
+    scale = tl.exp(m - top)
+    total_a = tl.sum(a * scale, axis=0)
+    total_b = tl.sum(scale * (b + a * (m - top)), axis=0)
+    tl.store(lse_ptr + row, top + tl.log(total_a))
+    tl.store(h_ptr + row, tl.log(total_a) - total_b / total_a)
+    tl.store(nfin_ptr + row, tl.sum(nfin, axis=0).to(tl.int32))
 
 
 @triton.jit
@@ -68,21 +97,36 @@ def _topk_entropy_kernel(top_ptr, k, lse_ptr, nfin_ptr, trunc_ptr, corr_ptr, BLO
     tl.store(corr_ptr + row, truncated + h_bin + tail * tl.log(n_tail))
 
 
-def _row_stats(logits: torch.Tensor, block: int = 1024):
+def _splits(rows: int, cols: int, block: int, device: torch.device, per_unit: int) -> int:
+    """Programs per row: ``per_unit`` per multiprocessor in all, at most one per block of columns."""
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(per_unit * units, rows), triton.cdiv(cols, block)))
+
+
+def _row_stats(logits: torch.Tensor, block: int = 2048, splits: int | None = None, num_warps: int = 4,
+               per_unit: int = 32):
     z = logits.contiguous()
     rows, cols = z.shape
+    splits = splits or _splits(rows, cols, block, z.device, per_unit)
+    chunk = triton.cdiv(triton.cdiv(cols, splits), block) * block
+    splits = triton.cdiv(cols, chunk)
+    part = torch.empty(rows, splits, 4, device=z.device, dtype=torch.float32)
+    _partial_stats_kernel[(rows, splits)](z, z.stride(0), cols, chunk, part, BLOCK=block, num_warps=num_warps)
     lse = torch.empty(rows, device=z.device, dtype=torch.float32)
     h = torch.empty_like(lse)
     nfin = torch.empty(rows, device=z.device, dtype=torch.int32)
-    _row_stats_kernel[(rows,)](z, z.stride(0), cols, lse, h, nfin, BLOCK=block)
+    _combine_stats_kernel[(rows,)](part, splits, lse, h, nfin, BLOCK_S=triton.next_power_of_2(splits))
     return lse, h, nfin
 
 
-def exact_entropy(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    return _row_stats(logits, block)[1]
+def exact_entropy(logits: torch.Tensor, block: int = 2048, splits: int | None = None, num_warps: int = 4,
+                  per_unit: int = 32) -> torch.Tensor:
+    """H of each row. ``per_unit`` programs per multiprocessor in all (each folding ``block`` columns per
+    iteration with ``num_warps`` warps), or ``splits`` programs per row if given."""
+    return _row_stats(logits, block, splits, num_warps, per_unit)[1]
 
 
-def topk_entropies(logits: torch.Tensor, k: int, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_entropies(logits: torch.Tensor, k: int, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     k = min(k, logits.shape[-1])
     lse, _, nfin = _row_stats(logits, block)
     top = logits.float().topk(k, dim=-1).values.contiguous()

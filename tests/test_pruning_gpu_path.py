@@ -86,3 +86,43 @@ def test_gpu_selection_and_vllm_triton_attention_on_the_compacted_table_under_in
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and "gpu-path-ok" in result.stdout, (result.stdout[-2000:], result.stderr[-4000:])
+
+
+SELECT_SCRIPT = textwrap.dedent("""
+    import torch
+    from kernels.block_select import select_blocks, selection_bias
+    from kernels.block_select_triton import select_into_table
+    torch.manual_seed(0)
+    for rows_n, width in [(1, 5), (3, 40), (4, 300), (2, 2)]:
+        nblocks = torch.randint(2, width + 1, (rows_n,))
+        nblocks[0] = width
+        scores = torch.randn(rows_n, width) + selection_bias(nblocks, width)
+        tied = scores.clone()
+        tied[:, 1:width - 1] = tied[:, 1:width - 1].round()  # many equal scores
+        keep = torch.clamp(nblocks // 3, min=2)
+        kmax = int(keep.max())
+        beyond = torch.arange(kmax)[None] >= keep[:, None]
+        physical = torch.stack([torch.randperm(1000)[:width] for _ in range(rows_n)])
+        for case in (scores, tied):
+            table = torch.full((rows_n + 2, width + 3), -1, dtype=torch.int32)
+            rows = torch.randperm(rows_n + 2)[:rows_n]
+            select_into_table(case, keep, physical, table, rows, kmax, beyond)
+            for p in range(rows_n):
+                k = int(keep[p])
+                got = table[rows[p], :k].tolist()
+                # the k highest, ties to the lower position, in ascending logical order
+                best = sorted(range(width), key=lambda i: (-float(case[p, i]), i))[:k]
+                assert got == [int(physical[p, i]) for i in sorted(best)], (got, best)
+                assert got[0] == int(physical[p, 0]) and got[-1] == int(physical[p, nblocks[p] - 1])
+                assert (table[rows[p], k:] == -1).all()  # past keep[p]: untouched
+                if case is scores:  # no ties: the same set as the torch path
+                    torch_path = select_blocks(case[p:p + 1], keep[p:p + 1], k)[0]
+                    assert got == physical[p].gather(0, torch_path).tolist()
+    print("select-ok")
+""")
+
+
+def test_fused_top_k_writes_the_torch_paths_choice_into_the_table_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", SELECT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "select-ok" in result.stdout, (result.stdout[-2000:], result.stderr[-4000:])

@@ -28,7 +28,6 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from kernels.block_select import select_blocks
 from workers.pruning_plan import PrunedLayers, PrunePlan, PruningPlanner
 
 
@@ -69,17 +68,14 @@ def compacted_table(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor, plan
     the first head_size channels of each token. ``impl`` needs ``head_size``, ``scale`` and a
     ``_summaries`` slot (the layer's impl; a plain namespace in the interpreter test).
     """
-    from kernels import block_select_triton
+    from kernels.block_select_triton import compact_table
 
     keys = kv_cache[..., : impl.head_size]  # [blocks, KVH, T, D] view
     blocks, kv_heads = keys.shape[:2]
-    if impl._summaries is None or impl._summaries.shape[1] != blocks:
-        impl._summaries = torch.zeros(kv_heads, blocks, 2 * impl.head_size, dtype=torch.float32, device=keys.device)
-    block_select_triton.summarize_blocks(keys, plan.summarize, impl._summaries)
-    q = query.index_select(0, plan.tokens)
-    scores = block_select_triton.block_scores(q, plan.physical, plan.num_blocks, impl._summaries, impl.scale,
-                                              plan.bias)
-    chosen = select_blocks(scores, plan.keep, plan.kmax, plan.beyond)
+    if impl._summaries is None or impl._summaries.shape[1] != blocks or impl._summaries.dtype != keys.dtype:
+        # in the cache's dtype: the extremes of bf16 keys are bf16 values, and scoring reads half the bytes
+        impl._summaries = torch.zeros(kv_heads, blocks, 2 * impl.head_size, dtype=keys.dtype, device=keys.device)
     # layers run one after another and each kernel reads the table before the next layer writes it
-    plan.table[plan.rows, : plan.kmax] = plan.physical.gather(1, chosen).to(plan.table.dtype)
+    compact_table(query.index_select(0, plan.tokens), keys, impl._summaries, impl.scale, plan.summarize,
+                  plan.physical, plan.num_blocks, plan.bias, plan.keep, plan.table, plan.rows, plan.kmax, plan.beyond)
     return plan.table
