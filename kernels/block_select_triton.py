@@ -5,17 +5,17 @@ cache (one program per (block, kv head)); run for blocks that filled up since th
 last summarized.
 ``block_scores``: one program per (sequence, run of logical blocks) gathers the blocks' packed
 (max | min) summaries through the block table and returns the same score as the torch path
-(Quest bound max over query heads, times scale, plus the bias). Top-K selection is
-kernels.block_select.select_blocks (torch.topk).
-
+(Quest bound max over query heads, times scale, plus the bias).
 ``select_into_table``: top-K, ordering and the table write fused in one kernel (on an H100, torch.topk
-plus the sort took most of the selection's time: docs/results/gpu-kernels.md).
+plus the sort took most of the selection's time: docs/results/gpu-kernels.md); rows too wide for one
+program fall back to kernels.block_select.select_blocks (torch.topk).
 ``compact_table`` is one layer's whole selection as the GPU attention backend runs it
 (workers.pruned_attention_gpu), kept free of vLLM so the GPU check (loadtest/gpu_check.py) times the
 same calls on a machine without vLLM.
 
 Static shapes: heads and channels are padded to powers of two. Tests run them under
-TRITON_INTERPRET=1 against the torch reference (no GPU on the development machine).
+TRITON_INTERPRET=1 against the torch reference and compile them for sm_90
+(tests/test_triton_compile.py); `make gpu-check` runs them on a GPU.
 """
 from __future__ import annotations
 

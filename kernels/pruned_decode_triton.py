@@ -1,4 +1,9 @@
-"""Pruned paged-decode attention in Triton (GPU path of entropic KV pruning).
+"""Pruned paged-decode attention in Triton: a reference kernel, not what serves.
+
+Serving on a GPU hands the compacted table to vLLM's own ``unified_attention``
+(workers.pruned_attention_gpu), which is far faster (measured in docs/results/gpu-kernels.md):
+this one has no split of the sequence across programs and re-reads each KV head's blocks once per
+query head. It stays as a second, independent check of the compacted-table contract.
 
 One decode query per sequence attends to the blocks its compacted block table lists: the
 kept blocks in ascending logical order, the current (partially filled) block last, exactly
