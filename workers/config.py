@@ -70,7 +70,7 @@ class EngineConfig(BaseModel):
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
         elif pruning and not on_gpu:
-            # vLLM's CPU default is 128; with pruning, 64 decoded fastest (docs/results/pruning-speed.md)
+            # vLLM's CPU default is 128; with pruning, 64 decoded fastest (docs/results/README.md, KV pruning)
             kwargs["block_size"] = CPU_PRUNING_BLOCK_SIZE
         if on_gpu and pruning:
             kwargs["attention_backend"] = "TRITON_ATTN"
