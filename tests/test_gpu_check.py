@@ -9,11 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.unit
 
 
 def test_gpu_check_runs_at_toy_shapes_under_the_interpreter(tmp_path):

@@ -13,8 +13,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import block_select_triton, entropy_triton, pruned_decode_triton  # noqa: E402
 
-pytestmark = pytest.mark.unit
-
 H100 = GPUTarget("cuda", 90, 32)
 
 
