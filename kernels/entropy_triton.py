@@ -16,6 +16,8 @@ Kernels take static BLOCK sizes; tests run them under TRITON_INTERPRET=1 against
 """
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -97,10 +99,15 @@ def _topk_entropy_kernel(top_ptr, k, lse_ptr, nfin_ptr, trunc_ptr, corr_ptr, BLO
     tl.store(corr_ptr + row, truncated + h_bin + tail * tl.log(n_tail))
 
 
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    # asked once per device: the logits processor calls this on every decode step
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _splits(rows: int, cols: int, block: int, device: torch.device, per_unit: int) -> int:
     """Programs per row: ``per_unit`` per multiprocessor in all, at most one per block of columns."""
-    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(per_unit * units, rows), triton.cdiv(cols, block)))
+    return max(1, min(triton.cdiv(per_unit * _multiprocessors(device), rows), triton.cdiv(cols, block)))
 
 
 def _row_stats(logits: torch.Tensor, block: int = 2048, splits: int | None = None, num_warps: int = 4,
