@@ -251,12 +251,13 @@ def check_entropy(sh: dict, device, results: list) -> None:
 
 
 def paged_cache(blocks: int, sh: dict, block_size: int, device, seed: int):
-    """The Triton backend's cache [blocks, KV heads, block_size, 2 * head_dim] (keys | values per token)."""
+    """Views of the Triton backend's cache [blocks, KV heads, block_size, 2 * head_dim] (keys | values per
+    token): the keys as compacted_table reads them, and the key and value caches as the attention kernels do."""
     gen = torch.Generator(device=device).manual_seed(seed)
     d = sh["head_dim"]
     kv = torch.randn(blocks, sh["kv_heads"], block_size, 2 * d, device=device, generator=gen, dtype=sh["cache_dtype"])
     key_cache, value_cache = kv.transpose(1, 2).split(d, dim=-1)  # [blocks, T, KVH, D], as TritonAttentionImpl
-    return kv, kv[..., :d], key_cache, value_cache
+    return kv[..., :d], key_cache, value_cache
 
 
 class Step:
@@ -269,7 +270,7 @@ class Step:
         self.block_size, self.context = block_size, context
         per_seq = -(-context // block_size)
         self.blocks = seqs * per_seq + 1
-        self.kv, self.keys, self.key_cache, self.value_cache = paged_cache(self.blocks, sh, block_size, device, seed)
+        self.keys, self.key_cache, self.value_cache = paged_cache(self.blocks, sh, block_size, device, seed)
         # sequences own shuffled physical blocks, as a paged cache hands them out
         self.physical = torch.randperm(self.blocks - 1, device=device, generator=gen)[: seqs * per_seq]
         self.physical = self.physical.view(seqs, per_seq).contiguous()
