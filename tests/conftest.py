@@ -22,7 +22,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 TEST_APP_CONFIG = {
     "num_replicas": 2,
     "num_cpus_per_replica": 1,
-    "engine": {"max_model_len": 8192, "max_num_seqs": 16, "kv_cache_space_gib": 1, "cpu_threads": 1},
+    # Eager: compiling costs minutes per engine here; tests/test_compiled_default.py runs the compiled default
+    "engine": {"max_model_len": 8192, "max_num_seqs": 16, "kv_cache_space_gib": 1, "cpu_threads": 1,
+               "enforce_eager": True},
     "telemetry_period_s": 0.05,
     "request_router": "soonest_served",  # the router the routing tests are about (Serve's is the default)
     "fault_injection": True,  # tests/test_reliability.py stops an engine loop from inside

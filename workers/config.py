@@ -29,7 +29,9 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(8192, ge=16)
     max_num_seqs: int = Field(16, ge=1, le=1024)
     max_num_batched_tokens: int | None = Field(None, ge=16)
-    enforce_eager: bool = True
+    enforce_eager: bool = Field(False, description="False: vLLM's compiled mode (torch.compile on CPU, CUDA graphs "
+                                "on GPU), as vllm serve runs by default; the first start compiles for minutes and "
+                                "later starts reuse vLLM's compile cache. True: eager, starts fast")
     dtype: str = Field("auto", description='"auto": the model\'s dtype, but float32 on CPUs without native bf16')
     block_size: int | None = Field(None, ge=1, description="KV block size; None: vLLM's default, or "
                                    f"{CPU_PRUNING_BLOCK_SIZE} on CPU with pruning enabled")

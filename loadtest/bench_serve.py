@@ -1,0 +1,295 @@
+"""Our server against `vllm serve`, both driven by vLLM's own client (`vllm bench serve`).
+
+    make bench-serve ARGS="--pairs defaults matched --rounds 2"   (writes docs/results/serve.{md,json})
+
+Each round starts one server, drives it with ``vllm bench serve`` over every data set, stops it, then
+does the same with the other (the order alternates between rounds), so both see the same machine
+in the same minutes: this machine's speed moves by up to 1.7x within minutes, and only ratios taken
+within a round mean anything. The servers never run at the same time.
+
+Pairs (``--pairs``):
+- ``defaults``: ``python -m deployments.server`` as ``make serve`` starts it, against
+  ``vllm serve MODEL`` as a user would start it (vLLM's defaults; our plugin kept out with
+  ``VLLM_PLUGINS=``). What a user compares.
+- ``matched``: the same dtype, compile mode (compiled), context length and batch size on both sides
+  (our ``engine`` config is set to what vLLM is given). What our serving path and control layers cost
+  or gain when nothing else differs.
+
+Data sets (``--sets``), all ``--ignore-eos`` to a fixed output length: a decode-speed measurement, the
+same number of tokens on both sides (``vllm bench serve`` random data has no natural end anyway):
+- ``short``: random tokens, 256 in / 128 out, 48 requests at concurrency 16.
+- ``long``: random tokens, 3900 in / 128 out, 16 requests at concurrency 8.
+- ``natural``: ~3900 tokens of English prose (Python's own documentation, ``pydoc_data``, shipped with
+  every Python) then an instruction, 128 out, 16 requests at concurrency 8: the pruning law sees the
+  entropy of real text instead of random tokens.
+
+Sampling is each server's default for a request that names no temperature (``vllm bench serve`` no
+longer sends one): vLLM's generation defaults there, ours with the entropy temperature law on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics as st
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The metrics every cell reports (vllm bench serve's result keys); higher is better only for throughput.
+METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+           "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms")
+RATIO_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
+
+
+@dataclass(frozen=True)
+class DataSet:
+    name: str
+    args: tuple[str, ...]
+    num_prompts: int
+    concurrency: int
+
+
+SETS = {
+    "short": DataSet("short", ("--dataset-name", "random", "--random-input-len", "256",
+                               "--random-output-len", "128"), 48, 16),
+    "long": DataSet("long", ("--dataset-name", "random", "--random-input-len", "3900",
+                             "--random-output-len", "128"), 16, 8),
+    "natural": DataSet("natural", ("--dataset-name", "custom", "--custom-output-len", "128",
+                                   "--skip-chat-template"), 16, 8),
+}
+NATURAL_TOKENS = 3900
+KV_CACHE_GIB = 2  # matched pair: both servers' KV cache (ours: engine.kv_cache_space_gib's default)
+NATURAL_INSTRUCTION = "\n\nSummarize the documentation above in one paragraph."
+
+
+@dataclass
+class Server:
+    """One way of serving the model: a command line, its environment, and the port it answers on."""
+    label: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    config: dict | None = None  # our AppConfig fields, written to a file passed with --config
+
+    def start(self, workdir: Path, log: Path) -> tuple[subprocess.Popen, float]:
+        argv = list(self.argv)
+        if self.config is not None:
+            path = workdir / f"{self.label}.json"
+            path.write_text(json.dumps(self.config))
+            argv += ["--config", str(path)]
+        if _answers(self.port):  # a server still shutting down there would be measured instead of this one
+            raise RuntimeError(f"port {self.port} still answers before {self.label} starts")
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, env={**os.environ, **self.env}, stdout=log.open("ab"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        base = f"http://127.0.0.1:{self.port}"
+        while time.monotonic() - t0 < 1200:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited with {proc.returncode} while starting; see {log}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:  # both: 200 once engines serve
+                    if resp.status == 200:
+                        return proc, time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(2)
+        stop(proc, self.port)
+        raise RuntimeError(f"{self.label} not ready after 1200 s; see {log}")
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop(proc: subprocess.Popen, port: int) -> None:
+    """Ctrl-C to the server's whole process group (both servers shut down cleanly on it), then kill; then
+    wait until nothing answers on its port (Ray's proxy can outlive the process that started it)."""
+    for sig, wait in ((signal.SIGINT, 90), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    deadline = time.monotonic() + 180
+    while _answers(port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"port {port} still answers 180 s after its server was stopped")
+        time.sleep(2)
+
+
+def natural_dataset(path: Path, model_dir: str, n: int) -> None:
+    """``n`` windows of ``NATURAL_TOKENS`` tokens of Python's documentation, each a different stretch."""
+    import pydoc_data.topics as topics
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    stride = max(NATURAL_TOKENS, (len(ids) - NATURAL_TOKENS) // max(1, n - 1))
+    with path.open("w") as f:
+        for i in range(n):
+            start = min(i * stride, len(ids) - NATURAL_TOKENS)
+            prompt = tok.decode(ids[start:start + NATURAL_TOKENS]) + NATURAL_INSTRUCTION
+            f.write(json.dumps({"prompt": prompt}) + "\n")
+
+
+def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdir: Path, tag: str,
+          natural: Path) -> dict:
+    out = workdir / f"{tag}.json"
+    argv = [sys.executable, "-m", "loadtest.vllm_cli", "bench", "serve", "--backend", "openai",
+            "--base-url", f"http://127.0.0.1:{server.port}", "--model", model_name, "--tokenizer", model_dir,
+            *data.args, "--num-prompts", str(data.num_prompts), "--max-concurrency", str(data.concurrency),
+            "--ignore-eos", "--num-warmups", "2", "--seed", "0", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", str(workdir), "--result-filename", out.name]
+    if data.name == "natural":
+        argv += ["--dataset-path", str(natural)]
+    with (workdir / "client.log").open("ab") as log:
+        subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=1800,
+                       env={**os.environ, "VLLM_PLUGINS": ""})
+    result = json.loads(out.read_text())
+    cell = {m: result.get(m) for m in METRICS}
+    cell.update(completed=result.get("completed"), failed=result.get("failed", 0),
+                total_output_tokens=result.get("total_output_tokens"))
+    return cell
+
+
+def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str) -> tuple[Server, Server]:
+    ours_argv = [sys.executable, "-m", "deployments.server", "--port", "8100"]
+    vllm_argv = [sys.executable, "-m", "loadtest.vllm_cli", "serve", model_dir, "--port", "8200",
+                 "--served-model-name", model_name]
+    plain = {"VLLM_PLUGINS": ""}  # a user's vLLM has no plugin of ours
+    if pair == "defaults":
+        return Server("ours", ours_argv, 8100), Server("vllm", vllm_argv, 8200, env=plain)
+    if pair == "matched":
+        engine = {"enforce_eager": False, "dtype": dtype, "max_model_len": 8192, "max_num_seqs": 16,
+                  "kv_cache_space_gib": KV_CACHE_GIB}
+        vllm_argv += ["--dtype", dtype, "--max-model-len", "8192", "--max-num-seqs", "16"]
+        # vLLM on CPU otherwise sizes its KV cache to 90% of memory, which at float32 exhausted 24 GiB here
+        return (Server("ours", ours_argv, 8100, config={"engine": engine}),
+                Server("vllm", vllm_argv, 8200, env={**plain, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}))
+    raise ValueError(pair)
+
+
+def summarize(cells: list[dict]) -> dict:
+    """Per metric and data set: each round's ours/vllm ratio, their median and range."""
+    out: dict = {}
+    for pair in sorted({c["pair"] for c in cells}):
+        for data in sorted({c["set"] for c in cells if c["pair"] == pair}):
+            rows = [c for c in cells if c["pair"] == pair and c["set"] == data]
+            rounds = sorted({c["round"] for c in rows})
+            entry: dict = {}
+            for metric in METRICS:
+                ratios = []
+                for r in rounds:
+                    by = {c["server"]: c for c in rows if c["round"] == r}
+                    ours, theirs = by.get("ours", {}).get(metric), by.get("vllm", {}).get(metric)
+                    if ours and theirs:
+                        ratios.append(ours / theirs)
+                entry[metric] = {
+                    "ours": [c[metric] for c in rows if c["server"] == "ours"],
+                    "vllm": [c[metric] for c in rows if c["server"] == "vllm"],
+                    "ratios": ratios,
+                    "median_ratio": st.median(ratios) if ratios else None,
+                }
+            out[f"{pair}/{data}"] = entry
+    return out
+
+
+def render(result: dict) -> str:
+    from loadtest.machine import cpu_text
+
+    lines = ["# Our server vs `vllm serve`, driven by `vllm bench serve`", "",
+             f"Command: `{result['command']}`  ", f"Date: {result['date']}  ",
+             f"Machine: {cpu_text(result['machine'])}, {result['machine']['cores']} cores, "
+             f"{result['machine']['memory_gib']} GiB; torch {result['machine']['torch']}, "
+             f"vLLM {result['machine']['vllm']}; our dtype for `auto`: {result['machine']['cpu_dtype_auto']}", "",
+             "Each cell: ours / vllm per round (servers alternate, one at a time), median [min-max] over "
+             f"{result['rounds']} rounds. Throughput: higher is better for us above 1; times: lower is better "
+             "for us below 1. All outputs `--ignore-eos` to 128 tokens (decode-speed measurement).", "",
+             "| pair / set | output tok/s | mean TTFT | mean TPOT | p99 ITL | ours tok/s | vllm tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for key, entry in result["summary"].items():
+        def cell(metric: str, entry: dict = entry) -> str:
+            r = entry[metric]["ratios"]
+            return f"{st.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}]" if r else "n/a"
+
+        tps = entry["output_throughput"]
+        lines.append(f"| {key} | " + " | ".join(cell(m) for m in RATIO_METRICS)
+                     + f" | {', '.join(f'{v:.0f}' for v in tps['ours'])} | {', '.join(f'{v:.0f}' for v in tps['vllm'])} |")
+    if result["startup_s"]:
+        lines += ["", "Start-up to the first 200 from `/health`, seconds (per round):", ""]
+    for key, starts in result["startup_s"].items():
+        lines.append(f"- {key}: " + ", ".join(f"{s:.0f}" for s in starts))
+    for note in result.get("excluded", []):
+        lines += ["", f"Excluded: {note}"]
+    failed = [c for c in result["cells"] if c.get("failed")]
+    lines += ["", f"Failed requests: {sum(c['failed'] for c in failed)}"
+              + (" (" + ", ".join(f"{c['pair']}/{c['set']}/{c['server']} round {c['round']}: {c['failed']}"
+                                  for c in failed) + ")" if failed else ""), "",
+              "Servers: " + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in result["servers"].items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"], choices=["defaults", "matched"])
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="docs/results/serve")
+    args = parser.parse_args(argv)
+
+    from kernels.hardware import resolve_dtype
+    from loadtest.machine import publish
+    from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME, resolve_model
+
+    model_dir = str(resolve_model(DEFAULT_MODEL))
+    dtype = resolve_dtype("auto", False)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    natural = workdir / "natural.jsonl"
+    if "natural" in args.sets:
+        natural_dataset(natural, model_dir, max(SETS["natural"].num_prompts, 16) + 2)
+    print(f"logs and raw results: {workdir}", flush=True)
+    cells: list[dict] = []
+    startup: dict[str, list[float]] = {}
+    servers_seen: dict[str, list[str]] = {}
+    for r in range(args.rounds):
+        for pair in args.pairs:
+            ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, dtype)
+            for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
+                key = f"{pair}/{server.label}"
+                servers_seen[key] = server.argv + ([f"(config {json.dumps(server.config)})"] if server.config else [])
+                proc, started = server.start(workdir, workdir / f"{pair}-{server.label}-{r}.log")
+                startup.setdefault(key, []).append(started)
+                try:
+                    for name in args.sets:
+                        cell = drive(server, SETS[name], DEFAULT_MODEL_NAME, model_dir, workdir,
+                                     f"{pair}-{name}-{server.label}-{r}", natural)
+                        cell.update(pair=pair, set=name, server=server.label, round=r)
+                        cells.append(cell)
+                        print(json.dumps(cell), flush=True)
+                finally:
+                    stop(proc, server.port)
+    publish("loadtest.bench_serve", argv, args.out,
+            {"rounds": args.rounds, "cells": cells, "startup_s": startup, "servers": servers_seen,
+             "summary": summarize(cells)}, render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

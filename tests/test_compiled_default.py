@@ -1,0 +1,65 @@
+"""The engine as shipped is compiled (``engine.enforce_eager: false``): every control layer still acts.
+
+The served-app tests pin eager mode (TEST_APP_CONFIG) because compiling costs minutes per engine on
+these machines; this module is where the default itself runs, in process, through the replica core:
+a long prompt decoded on the pruned attention path, and a sampled request under the temperature law.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loadtest.workload import passkey_prompt
+from workers.config import EngineConfig, ReplicaConfig
+
+
+def test_the_shipped_engine_default_is_compiled():
+    assert EngineConfig().enforce_eager is False
+
+
+@pytest.fixture(scope="module")
+def core(model_dir):
+    from prometheus_client import CollectorRegistry
+
+    from workers.core import ReplicaCore
+    from workers.pruning_state import STATE
+
+    # Only the sizes change from the shipped defaults; the mode, dtype choice and control layers do not.
+    config = ReplicaConfig(engine=EngineConfig(max_model_len=4096, max_num_seqs=4, kv_cache_space_gib=1))
+    assert not config.engine.enforce_eager
+    core = ReplicaCore(config, replica_id="compiled", metrics_registry=CollectorRegistry())
+    yield core
+    core.shutdown()
+    STATE.attach_rows({})  # one engine per process: detach before another module starts its own
+
+
+def _run(core, requests):
+    from deployments.protocol import EntropicChatCompletionRequest
+
+    async def one(body):
+        return [d async for d in core.generate("chat", EntropicChatCompletionRequest(**body))]
+
+    async def all_of():
+        core.start()
+        return await asyncio.gather(*(one(b) for b in requests))
+
+    return asyncio.run(all_of())
+
+
+def test_compiled_engine_runs_pruning_and_the_temperature_law(core):
+    long_prompt = passkey_prompt(120, 0.5, 48613)  # ~2.9K tokens: many 64-token blocks to choose from
+    long, sampled = _run(core, [
+        {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 24, "temperature": 0},
+        {"messages": [{"role": "user", "content": "Write a short poem about the sea."}], "max_tokens": 48,
+         "temperature": 1.0, "seed": 7},
+    ])
+    assert long[-1].finished and sampled[-1].finished
+    steps = [kb for d in long for kb in d.kv_blocks]
+    assert steps, "no decode step of the long prompt went through the pruned attention path"
+    assert any(kept < total for kept, total in steps), f"pruning kept every block on every step: {steps[:5]}"
+    temps = [t for d in sampled for t in d.temperature]
+    entropies = [h for d in sampled for h in d.entropy]
+    assert len(temps) == len(entropies) == sum(len(d.token_ids) for d in sampled) > 0
+    # The law starts at the request's temperature and moves it from the measured entropy
+    assert len(set(round(t, 6) for t in temps)) > 1, "the temperature law never changed the temperature"
