@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     natural = workdir / "natural.jsonl"
     if "natural" in args.sets:
-        natural_dataset(natural, model_dir, max(SETS["natural"].num_prompts, 16) + 2)
+        natural_dataset(natural, model_dir, SETS["natural"].num_prompts + 2)  # + the 2 warm-ups
     print(f"logs and raw results: {workdir}", flush=True)
     cells: list[dict] = []
     startup: dict[str, list[float]] = {}
