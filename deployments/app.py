@@ -10,17 +10,12 @@ from deployments.config import AppConfig
 from deployments.controller import ControllerDeployment
 from deployments.openai_api import OpenAIIngress
 from deployments.worker import EntropicWorker
+from workers.engine import engine_process_env
 
 
 def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
     # Read by vLLM at import inside the replica process, before any engine code runs.
-    return {"env_vars": {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(config.engine.cpu_threads),
-        "VLLM_CPU_KVCACHE_SPACE": str(config.engine.kv_cache_space_gib),
-        "TOKENIZERS_PARALLELISM": "false",
-    }}
+    return {"env_vars": engine_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)}
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:

@@ -195,3 +195,27 @@ def test_stat_logging_we_call_between_steps():
     assert list(inspect.signature(StatLoggerManager.record).parameters)[:3] == [
         "self", "scheduler_stats", "iteration_stats"]
     assert hasattr(Scheduler, "make_stats")
+
+
+def test_cpu_compile_cache_workaround_still_needed():
+    """workers/engine.py sets VLLM_USE_AOT_COMPILE=0: on CPU vLLM compiles with plain inductor
+    (DYNAMO_TRACE_ONCE), whose saved AOT artifact has no ``finalize_loading``, and the loader calls it,
+    so an AOT cache never loads there. When either side changes, re-measure a second start with AOT on."""
+    from vllm.compilation import decorators
+    from vllm.platforms import cpu
+
+    assert "compiled_fn.finalize_loading(" in inspect.getsource(decorators._try_load_aot_compiled_fn)
+    platform = inspect.getsource(cpu)
+    assert 'else "inductor"' in platform and "CompilationMode.DYNAMO_TRACE_ONCE" in platform
+
+
+def test_engine_env_keeps_a_users_overrides(monkeypatch):
+    from workers.engine import engine_process_env
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = engine_process_env(2, 3)
+    assert env["VLLM_USE_AOT_COMPILE"] == "1"  # the user's choice
+    assert env["OMP_NUM_THREADS"] == "2"  # ours: the replica's thread count is the config's
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

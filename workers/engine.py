@@ -25,18 +25,36 @@ from workers.pruning_state import STATE as PRUNING
 logger = logging.getLogger(__name__)
 
 
-def configure_process_env(cpu_threads: int, kv_cache_space_gib: int) -> None:
-    """Environment vLLM reads at import: must run before vllm is imported in this process.
+# Our choices a user may override from the environment; the rest are how this module drives vLLM.
+_OVERRIDABLE = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", "TOKENIZERS_PARALLELISM")
 
-    With vLLM's default thread binding, two engines (or an engine and a busy process) on
-    the same cores stalled steps from ~65 ms to over 1 s; each replica therefore runs an
-    unbound OpenMP pool of exactly ``cpu_threads`` threads.
+
+def engine_process_env(cpu_threads: int, kv_cache_space_gib: int) -> dict[str, str]:
+    """Environment vLLM reads at import, for a process that runs one in-process engine.
+
+    * ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core, scheduler and logits processors live in
+      this process (see the module docstring).
+    * ``nobind`` and exactly ``cpu_threads`` OpenMP threads: with vLLM's default thread binding, two
+      engines (or an engine and a busy process) on the same cores stalled steps from ~65 ms to over 1 s.
+    * ``VLLM_USE_AOT_COMPILE=0``: on CPU vLLM 0.32 compiles with plain inductor, whose AOT artifact it
+      saves but cannot load again (``'function' object has no attribute 'finalize_loading'``), so every
+      start recompiled from scratch; without AOT, dynamo traces again and inductor's own cache serves
+      the kernels (docs/operations.md, start-up).
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ["OMP_NUM_THREADS"] = str(cpu_threads)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(cpu_threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
+        "VLLM_USE_AOT_COMPILE": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return {k: os.environ.get(k, v) if k in _OVERRIDABLE else v for k, v in env.items()}
+
+
+def configure_process_env(cpu_threads: int, kv_cache_space_gib: int) -> None:
+    """Apply ``engine_process_env`` to this process: must run before vllm is imported here."""
+    os.environ.update(engine_process_env(cpu_threads, kv_cache_space_gib))
     import torch
 
     torch.set_num_threads(cpu_threads)
