@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from controller.messages import ControllerAnswer
 from loadtest.workload import passkey_prompt
 from workers.config import EngineConfig, ReplicaConfig
 
@@ -28,7 +29,14 @@ def core(model_dir):
     # Only the sizes change from the shipped defaults; the mode, dtype choice and control layers do not.
     config = ReplicaConfig(engine=EngineConfig(max_model_len=4096, max_num_seqs=4, kv_cache_space_gib=1))
     assert not config.engine.enforce_eager
-    core = ReplicaCore(config, replica_id="compiled", metrics_registry=CollectorRegistry())
+    reports: list[tuple[int, frozenset, bool]] = []
+
+    async def controller(report):  # in place of the controller deployment: records what the replica sends
+        reports.append((core.runner.steps, frozenset(report.sequences), report.metrics is not None))
+        return ControllerAnswer(priorities={})
+
+    core = ReplicaCore(config, replica_id="compiled", metrics_registry=CollectorRegistry(), controller=controller)
+    core.reports = reports
     yield core
     core.shutdown()
     STATE.attach_rows({})  # one engine per process: detach before another module starts its own
@@ -63,3 +71,15 @@ def test_compiled_engine_runs_pruning_and_the_temperature_law(core):
     assert len(temps) == len(entropies) == sum(len(d.token_ids) for d in sampled) > 0
     # The law starts at the request's temperature and moves it from the measured entropy
     assert len(set(round(t, 6) for t in temps)) > 1, "the temperature law never changed the temperature"
+
+
+def test_reports_follow_engine_steps_not_the_clock(core):
+    """A long prefill chunk outlasts many control periods; the replica reports again only once the engine
+    has stepped (or its requests changed), plus the once-a-second metrics report."""
+    core.reports.clear()
+    _run(core, [{"messages": [{"role": "user", "content": passkey_prompt(120, 0.3, 7)}], "max_tokens": 4,
+                 "temperature": 0}])
+    assert any(seqs for _, seqs, _ in core.reports), "the replica never reported its sequences"
+    telemetry = [(step, seqs) for step, seqs, metrics in core.reports if not metrics]
+    repeats = [a for a, b in zip(telemetry, telemetry[1:]) if a == b]
+    assert not repeats, f"{len(repeats)} reports repeated an engine step already reported: {repeats[:3]}"

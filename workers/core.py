@@ -6,9 +6,10 @@ benchmark and the ablation harness drive it directly. It owns
 * the engine (``workers.engine.EngineRunner``: one vLLM engine stepped by one thread);
 * the request path: an OpenAI request (vLLM's protocol model) and its ``entropic`` overrides become
   prompt token ids and SamplingParams, checked against the model, then a stream of ``Delta``;
-* the control step, every ``telemetry_period_s``: a ``TelemetryReport`` to the controller, π for
-  the scheduler from its ``ControllerAnswer`` (or, when it is late or absent, computed here from the
-  same profiles by the same law), decode-step grants, and the replica's metrics.
+* the control step, every ``telemetry_period_s`` (skipped while the engine has not stepped since the
+  last one): a ``TelemetryReport`` to the controller, π for the scheduler from its ``ControllerAnswer``
+  (or, when it is late or absent, computed here from the same profiles by the same law), decode-step
+  grants, and the replica's metrics.
 
 The controller is reached through ``controller``: an async callable taking a report and returning
 the answer (a Serve handle call in a deployment; ``controller.service.EntropyController`` in
@@ -81,6 +82,8 @@ class ReplicaCore:
         self._priorities: dict[str, tuple[float, str]] = {}
         self._preemptions_seen = 0
         self._reported_active = False
+        self._reported_step = -1
+        self._reported_keys: Any = {}.keys()
         self._next_metrics = 0.0
         self.routing_polls = 0
         self._control: asyncio.Task | None = None
@@ -171,11 +174,18 @@ class ReplicaCore:
         active = dict(self._active)
         states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
         send_metrics = now >= self._next_metrics
+        step = self.runner.steps
         if send_metrics:
             self._next_metrics = now + _METRICS_PERIOD_S
         elif not active and not self._reported_active:
             return  # idle and already said so: the once-a-second metrics report keeps it live
+        elif step == self._reported_step and active.keys() == self._reported_keys:
+            # The engine has not stepped since the last report, so no profile has moved: a second report
+            # would only repeat it. Where a step outlasts the period (a CPU at full batch), each report
+            # costs the engine thread its share of this process's GIL for nothing.
+            return
         self._reported_active = bool(active)
+        self._reported_step, self._reported_keys = step, active.keys()
         report = TelemetryReport(
             replica_id=self.replica_id, node_id=self.node_id, sent_at=time.time(), sequences=states,
             summaries={k: t.summary(now) for k, t in active.items()}, load=self.load(),
