@@ -83,3 +83,28 @@ def test_reports_follow_engine_steps_not_the_clock(core):
     telemetry = [(step, seqs) for step, seqs, metrics in core.reports if not metrics]
     repeats = [a for a, b in zip(telemetry, telemetry[1:]) if a == b]
     assert not repeats, f"{len(repeats)} reports repeated an engine step already reported: {repeats[:3]}"
+
+
+def test_routing_step_time_comes_from_decode_steps_only(core):
+    """The unit step time a replica advertises for routing leaves out steps that prefilled a prompt: the
+    engine flags a step decode-only only when every request it ran produced a token past its first."""
+    seen: list[tuple[float, list[bool], bool]] = []
+    observe = core.runner._on_step
+
+    def record(step_s, estimator_s, deltas, decode_only):
+        seen.append((step_s, [d.completion_tokens == len(d.token_ids) for d in deltas], decode_only))
+        observe(step_s, estimator_s, deltas, decode_only)
+
+    core.runner._on_step = record
+    try:
+        _run(core, [
+            {"messages": [{"role": "user", "content": passkey_prompt(120, 0.6, 31)}], "max_tokens": 6, "temperature": 0},
+            {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0},
+        ])
+    finally:
+        core.runner._on_step = observe
+    first_tokens = [s for s in seen if any(s[1])]  # a request's first token: its prompt was prefilled then
+    assert first_tokens and not any(flag for *_, flag in first_tokens)
+    assert any(flag for *_, flag in seen), "no step was flagged decode-only"
+    slowest_prefill = max(step_s for step_s, *_ in first_tokens)
+    assert core.metrics.recent_unit_step_s < slowest_prefill, (core.metrics.recent_unit_step_s, slowest_prefill)

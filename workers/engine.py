@@ -91,8 +91,9 @@ class _Stream:
     prompt_surprisal_seen: int = 0
 
 
-# (step wall seconds, estimator seconds in that step, deltas the step produced)
-StepObserver = Callable[[float, float, list["Delta"]], None]
+# (step wall seconds, estimator seconds in that step, deltas the step produced, whether the step only
+# decoded: every request it ran produced a token and none produced its first, so no prompt was prefilled)
+StepObserver = Callable[[float, float, list["Delta"], bool], None]
 
 
 class EngineRunner:
@@ -274,6 +275,7 @@ class EngineRunner:
             command()
 
     def _loop(self) -> None:
+        _name_os_thread("vllm-engine")
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
@@ -287,8 +289,11 @@ class EngineRunner:
                 step_seconds = time.perf_counter() - started
                 produced = [d for d in (self._deliver_isolated(o) for o in outputs) if d is not None]
                 if self._on_step is not None:
+                    # A request still in the scheduler's running list that produced nothing was prefilling a chunk
+                    decode_only = bool(produced) and len(produced) >= len(self.scheduler.running) and all(
+                        d.completion_tokens > len(d.token_ids) for d in produced)
                     try:
-                        self._on_step(step_seconds, self.estimator_seconds - estimator_before, produced)
+                        self._on_step(step_seconds, self.estimator_seconds - estimator_before, produced, decode_only)
                     except Exception:  # observers must never stop serving
                         logger.exception("step observer failed")
         except BaseException as exc:  # the engine's state is unknown: stop, and say so to everyone at once
@@ -368,6 +373,17 @@ class EngineRunner:
         if completion.logprobs:
             values = [_surprisal(entry) for entry in completion.logprobs]
             track.add_surprisal(stream.prompt_tokens + stream.emitted, values, block_size)
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name, so ``top -H``, ``py-spy`` and ``/proc/<pid>/task/*/comm`` can
+    tell the engine thread from Ray's threads in a replica process (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _surprisal(entry: Any) -> float | None:

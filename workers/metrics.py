@@ -93,14 +93,16 @@ class ReplicaMetrics:
 
     @property
     def recent_unit_step_s(self) -> float:
-        """Step time normalized to an empty batch (controller.laws.routing.batch_factor), median of the
-        last steps: a median, because a long prompt's prefill steps take seconds and would otherwise
-        make a replica look slow for the next dozens of decode steps."""
+        """Decode step time normalized to an empty batch (controller.laws.routing.batch_factor), median of
+        the last decode-only steps. Steps that prefilled are left out: their time follows the prompts'
+        lengths, not the replica's speed, and an idle replica would keep the slow look of its last prefill
+        (the router then sent every new request elsewhere)."""
         return statistics.median(self._unit_steps) if self._unit_steps else 0.0
 
-    def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list) -> None:
+    def observe_step(self, step_seconds: float, estimator_seconds: float, deltas: list, decode_only: bool) -> None:
         self.recent_step_s = ewma(self.recent_step_s or None, step_seconds, 0.1)
-        self._unit_steps.append(step_seconds / batch_factor(len(deltas), self.max_num_seqs))
+        if decode_only:
+            self._unit_steps.append(step_seconds / batch_factor(len(deltas), self.max_num_seqs))
         self._step.observe(step_seconds)
         self._estimator.observe(estimator_seconds)
         for delta in deltas:
