@@ -172,7 +172,6 @@ class ReplicaCore:
             return  # say nothing: the controller's view drops a replica it stops hearing from
         now = time.monotonic()
         active = dict(self._active)
-        states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
         send_metrics = now >= self._next_metrics
         step = self.runner.steps
         if send_metrics:
@@ -186,6 +185,7 @@ class ReplicaCore:
             return
         self._reported_active = bool(active)
         self._reported_step, self._reported_keys = step, active.keys()
+        states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
         report = TelemetryReport(
             replica_id=self.replica_id, node_id=self.node_id, sent_at=time.time(), sequences=states,
             summaries={k: t.summary(now) for k, t in active.items()}, load=self.load(),
