@@ -1,0 +1,230 @@
+"""Where the engine's time goes while each server is under `vllm bench serve` load (issue: speed vs vllm serve).
+
+    make profile-serve ARGS="--rounds 2"   (writes docs/results/serve-profile.{md,json})
+
+Each round starts our server and `vllm serve` (the ``matched`` pair of ``loadtest.bench_serve``: same
+dtype, compiled, context, batch and KV cache), one at a time in alternating order, and drives each with
+one data set while sampling, once a second:
+
+* the CPU time of the thread that runs the model: our replica's engine thread (named ``vllm-engine``)
+  or the main thread of vLLM's ``VLLM::Worker`` process; and of every other thread of that process;
+* the machine's idle and steal time (``/proc/stat``).
+
+The loaded window is from the first to the last second in which the model thread used more than half a
+core. Over it the result gives the model thread's share of one core (1.0: it never waited), the rest of
+its process's CPU, and the machine's idle share: a model thread well under 1.0 while the machine has
+idle CPU is waiting inside its own process (on Python's GIL: our replica runs Ray Serve's request
+handling in the engine's process), not for a core.
+
+With ``--pyspy-s N`` and ``py-spy`` on PATH (``pip install py-spy``; needs ptrace permission) it also samples
+the model thread's native stacks for N seconds mid-run and counts the samples waiting to take the GIL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics as st
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from loadtest.bench_serve import SETS, Server, drive, natural_dataset, pair_servers, stop
+
+_BUSY = 0.5  # a second in which the model thread used more than this share of a core is "loaded"
+
+
+def _ticks(path: str) -> int:
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _threads(pid: int) -> dict[int, tuple[str, int]]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = (Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip(),
+                             _ticks(f"/proc/{pid}/task/{tid}/stat"))
+        except OSError:
+            continue
+    return out
+
+
+def _machine() -> tuple[int, int, int]:
+    cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in cpu]
+    return sum(values), values[3] + values[4], values[7] if len(values) > 7 else 0  # total, idle+iowait, steal
+
+
+def model_process(label: str) -> int:
+    """The pid of the process whose thread runs the model."""
+    pattern = "ServeReplica:entropic:EntropicWorker" if label == "ours" else "VLLM::Worker"
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    if len(found) != 1:
+        raise RuntimeError(f"expected one process matching {pattern!r}, found {found}")
+    return int(found[0])
+
+
+def model_thread(label: str, pid: int, threads: dict[int, tuple[str, int]]) -> int:
+    if label == "ours":
+        named = [tid for tid, (name, _) in threads.items() if name == "vllm-engine"]
+        if len(named) != 1:
+            raise RuntimeError(f"no thread named vllm-engine in {pid}: {sorted(n for n, _ in threads.values())}")
+        return named[0]
+    return pid  # vLLM's worker runs the model on its main thread
+
+
+class Sampler:
+    """Per-second CPU samples of one process's threads and of the machine, on a background thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: list[tuple[float, dict[int, tuple[str, int]], tuple[int, int, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), _threads(self.pid), _machine()))
+            self._stop.wait(1.0)
+
+    def summary(self, label: str) -> dict:
+        hz = os.sysconf("SC_CLK_TCK")
+        tid = model_thread(label, self.pid, self.samples[-1][1])
+        per_s = []
+        for (t0, a, _), (t1, b, _) in zip(self.samples, self.samples[1:]):
+            per_s.append((b.get(tid, ("", 0))[1] - a.get(tid, ("", 0))[1]) / hz / (t1 - t0))
+        loaded = [i for i, share in enumerate(per_s) if share > _BUSY]
+        if not loaded:
+            raise RuntimeError(f"{label}: the model thread never used half a core")
+        first, last = loaded[0], loaded[-1] + 1  # sample indices bounding the window
+        (t0, a, m0), (t1, b, m1) = self.samples[first], self.samples[last]
+        wall = t1 - t0
+
+        def cpu(threads_after: dict, threads_before: dict, keep) -> float:
+            return sum(ticks - threads_before.get(t, ("", 0))[1] for t, (_, ticks) in threads_after.items()
+                       if keep(t)) / hz
+
+        total = m1[0] - m0[0]
+        return {"window_s": round(wall, 1),
+                "model_thread_core_share": round(cpu(b, a, lambda t: t == tid) / wall, 3),
+                "other_threads_core_share": round(cpu(b, a, lambda t: t != tid) / wall, 3),
+                "machine_idle_share": round((m1[1] - m0[1]) / total, 3) if total else None,
+                "machine_steal_share": round((m1[2] - m0[2]) / total, 3) if total else None}
+
+
+def gil_waits(pid: int, tid: int, seconds: int) -> dict | None:
+    """Share of the model thread's native samples spent waiting to take the GIL (py-spy, if present)."""
+    pyspy = shutil.which("py-spy")
+    if pyspy is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+        done = subprocess.run([pyspy, "record", "-p", str(pid), "--idle", "--native", "--threads", "-r", "20",
+                               "-d", str(seconds), "-f", "raw", "-o", out.name], capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "py-spy failed"}
+        total = waiting = 0
+        for line in Path(out.name).read_text().splitlines():
+            stack, count = line.rsplit(" ", 1)
+            if f"({tid})" not in stack.split(";", 1)[0] and f"(0x{tid:x})" not in stack.split(";", 1)[0]:
+                continue
+            total += int(count)
+            if "take_gil" in stack or "gil_scoped_acquire" in stack or "PyEval_RestoreThread" in stack:
+                waiting += int(count)
+    return {"samples": total, "gil_wait_share": round(waiting / total, 3) if total else None}
+
+
+def render(result: dict) -> str:
+    from loadtest.machine import cpu_text
+
+    m = result["machine"]
+    lines = ["# Where the model thread's time goes under `vllm bench serve` load: our server vs `vllm serve`", "",
+             f"Command: `{result['command']}`  ", f"Date: {result['date']}  ",
+             f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, vLLM {m['vllm']}",
+             "", f"Data set `{result['set']}` (loadtest.bench_serve), pair `matched`. Shares are of one core over the "
+             "loaded window (the seconds in which the model thread used more than half a core); the model "
+             "thread is our replica's engine thread or the main thread of vLLM's `VLLM::Worker` process.", "",
+             "| server | round | output tok/s | model thread | other threads, same process | machine idle | "
+             "steal | GIL wait (py-spy) |", "|---|---|---|---|---|---|---|---|"]
+    for c in result["cells"]:
+        gil = c.get("gil")
+        gil_text = "not measured" if gil is None else gil.get("error") or f"{gil['gil_wait_share']:.2f} of {gil['samples']}"
+        lines.append(f"| {c['server']} | {c['round']} | {c['output_throughput']:.1f} | {c['model_thread_core_share']:.2f} "
+                     f"| {c['other_threads_core_share']:.2f} | {c['machine_idle_share']:.2f} | "
+                     f"{c['machine_steal_share']:.2f} | {gil_text} |")
+    for server in ("ours", "vllm"):
+        shares = [c["model_thread_core_share"] for c in result["cells"] if c["server"] == server]
+        if shares:
+            lines.append(f"\n{server}: model thread median {st.median(shares):.2f} of a core over {len(shares)} rounds.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="short", choices=list(SETS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pyspy-s", type=int, default=0, help="seconds of native py-spy sampling, 0: none (py-spy "
+                        "pauses the process at each sample, so rounds with it say less about CPU shares and speed)")
+    parser.add_argument("--out", default="docs/results/serve-profile")
+    args = parser.parse_args(argv)
+
+    from kernels.hardware import resolve_dtype
+    from loadtest.machine import publish
+    from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME, resolve_model
+
+    model_dir = str(resolve_model(DEFAULT_MODEL))
+    workdir = Path(tempfile.mkdtemp(prefix="profile-serve-"))
+    natural = workdir / "natural.jsonl"
+    if args.set == "natural":
+        natural_dataset(natural, model_dir, SETS["natural"].num_prompts + 2)
+    print(f"logs and raw results: {workdir}", flush=True)
+    cells = []
+    for r in range(args.rounds):
+        ours, theirs = pair_servers("matched", model_dir, DEFAULT_MODEL_NAME, resolve_dtype("auto", False))
+        for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
+            cells.append(profile_one(server, r, args, model_dir, workdir, natural))
+            print(json.dumps(cells[-1]), flush=True)
+    publish("loadtest.profile_serve", argv, args.out, {"set": args.set, "rounds": args.rounds, "cells": cells}, render)
+    return 0
+
+
+def profile_one(server: Server, r: int, args: argparse.Namespace, model_dir: str, workdir: Path, natural: Path) -> dict:
+    from workers.model_store import DEFAULT_MODEL_NAME
+
+    proc, _ = server.start(workdir, workdir / f"{server.label}-{r}.log")
+    try:
+        pid = model_process(server.label)
+        gil: list[dict | None] = [None]
+
+        def sample_gil() -> None:
+            time.sleep(40)  # past the client's start-up and warm-up, into the loaded run
+            gil[0] = gil_waits(pid, model_thread(server.label, pid, _threads(pid)), args.pyspy_s)
+
+        spy = threading.Thread(target=sample_gil, daemon=True) if args.pyspy_s > 0 else None
+        with Sampler(pid) as sampler:
+            if spy is not None:
+                spy.start()
+            cell = drive(server, SETS[args.set], DEFAULT_MODEL_NAME, model_dir, workdir,
+                         f"{args.set}-{server.label}-{r}", natural)
+            if spy is not None:
+                spy.join()
+        cell.update(sampler.summary(server.label), server=server.label, round=r, gil=gil[0])
+        return cell
+    finally:
+        stop(proc, server.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
