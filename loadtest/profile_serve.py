@@ -138,7 +138,7 @@ def gil_waits(pid: int, tid: int, seconds: int) -> dict | None:
         total = waiting = 0
         for line in Path(out.name).read_text().splitlines():
             stack, count = line.rsplit(" ", 1)
-            if f"({tid})" not in stack.split(";", 1)[0] and f"(0x{tid:x})" not in stack.split(";", 1)[0]:
+            if f"({tid})" not in stack.split(";", 1)[0]:  # py-spy's thread frame: "thread (<native id>): <name>"
                 continue
             total += int(count)
             if "take_gil" in stack or "gil_scoped_acquire" in stack or "PyEval_RestoreThread" in stack:
