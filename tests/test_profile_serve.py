@@ -1,0 +1,33 @@
+"""loadtest/profile_serve.py's accounting, on samples whose answer is known (the tool itself needs two servers)."""
+import os
+
+import pytest
+
+from loadtest.profile_serve import Sampler
+
+
+def test_the_loaded_window_and_the_shares_over_it():
+    hz = os.sysconf("SC_CLK_TCK")
+    sampler = Sampler(pid=100)  # vLLM's worker: the model runs on the process's main thread (tid == pid)
+    model_per_s = [0.0, 0.9, 0.9, 0.9, 0.1]  # idle, three loaded seconds, idle
+    model = other = total = idle = 0
+    sampler.samples.append((0.0, {100: ("VLLM::Worker", 0), 101: ("gloo", 0)}, (0, 0, 0)))
+    for second, share in enumerate(model_per_s, start=1):
+        model += round(share * hz)
+        other += round(0.1 * hz)
+        total += 2 * hz  # two cores
+        idle += round(0.5 * hz)  # a quarter of the machine idle
+        sampler.samples.append((float(second), {100: ("VLLM::Worker", model), 101: ("gloo", other)},
+                                (total, idle, 0)))
+    summary = sampler.summary("vllm")
+    assert summary["window_s"] == pytest.approx(3.0)
+    assert summary["model_thread_core_share"] == pytest.approx(0.9, abs=0.01)
+    assert summary["other_threads_core_share"] == pytest.approx(0.1, abs=0.01)
+    assert summary["machine_idle_share"] == pytest.approx(0.25, abs=0.01)
+
+
+def test_a_model_thread_that_never_worked_is_an_error():
+    sampler = Sampler(pid=100)
+    sampler.samples += [(float(t), {100: ("VLLM::Worker", 0)}, (200 * t, 200 * t, 0)) for t in range(3)]
+    with pytest.raises(RuntimeError, match="never used half a core"):
+        sampler.summary("vllm")
