@@ -194,15 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         ours, theirs = pair_servers("matched", model_dir, DEFAULT_MODEL_NAME, resolve_dtype("auto", False))
         for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
-            cells.append(profile_one(server, r, args, model_dir, workdir, natural))
+            cells.append(profile_one(server, r, args, DEFAULT_MODEL_NAME, model_dir, workdir, natural))
             print(json.dumps(cells[-1]), flush=True)
     publish("loadtest.profile_serve", argv, args.out, {"set": args.set, "rounds": args.rounds, "cells": cells}, render)
     return 0
 
 
-def profile_one(server: Server, r: int, args: argparse.Namespace, model_dir: str, workdir: Path, natural: Path) -> dict:
-    from workers.model_store import DEFAULT_MODEL_NAME
-
+def profile_one(server: Server, r: int, args: argparse.Namespace, model_name: str, model_dir: str, workdir: Path,
+                natural: Path) -> dict:
     proc, _ = server.start(workdir, workdir / f"{server.label}-{r}.log")
     try:
         pid = model_process(server.label)
@@ -216,7 +215,7 @@ def profile_one(server: Server, r: int, args: argparse.Namespace, model_dir: str
         with Sampler(pid) as sampler:
             if spy is not None:
                 spy.start()
-            cell = drive(server, SETS[args.set], DEFAULT_MODEL_NAME, model_dir, workdir,
+            cell = drive(server, SETS[args.set], model_name, model_dir, workdir,
                          f"{args.set}-{server.label}-{r}", natural)
             if spy is not None:
                 spy.join()

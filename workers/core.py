@@ -83,7 +83,7 @@ class ReplicaCore:
         self._preemptions_seen = 0
         self._reported_active = False
         self._reported_step = -1
-        self._reported_keys: Any = {}.keys()
+        self._reported_keys: frozenset[str] = frozenset()
         self._next_metrics = 0.0
         self.routing_polls = 0
         self._control: asyncio.Task | None = None
@@ -184,7 +184,7 @@ class ReplicaCore:
             # costs the engine thread its share of this process's GIL for nothing.
             return
         self._reported_active = bool(active)
-        self._reported_step, self._reported_keys = step, active.keys()
+        self._reported_step, self._reported_keys = step, frozenset(active)
         states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
         report = TelemetryReport(
             replica_id=self.replica_id, node_id=self.node_id, sent_at=time.time(), sequences=states,
