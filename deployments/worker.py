@@ -1,8 +1,9 @@
-"""Ray Serve deployment around one ``workers.core.ReplicaCore`` (one in-process vLLM engine).
+"""Ray Serve deployment around one ``workers.core.ReplicaCore``, which runs in a child process of the
+replica (``workers.process.CoreProcess``: the engine does not share its GIL with Ray and Serve).
 
 The ingress calls ``generate`` through ``handle.options(stream=True)``; each item is a
 ``workers.engine.Delta``. Serve calls ``check_health`` and ``record_routing_stats``; the core's
-control loop reports to the controller deployment through its handle.
+control loop reports to the controller deployment through this replica, which holds the handle.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from ray import serve
 
 from controller.messages import ControllerAnswer, TelemetryReport
 from deployments.config import AppConfig
-from workers.core import ReplicaCore
 from workers.engine import Delta
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
+from workers.process import CoreProcess
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +34,17 @@ class EntropicWorker:
     def __init__(self, config: dict[str, Any], controller: Any = None) -> None:
         self.config = AppConfig.model_validate(config)
         self._event_loop = asyncio.get_running_loop()
+        # Requests arrive as this module's vLLM models. Serve ships this class by value, so nothing imported
+        # it here yet: unpickling the first request would, ~8 s of CPU under the first load, not at start.
+        import deployments.protocol  # noqa: F401
 
         async def report(message: TelemetryReport) -> ControllerAnswer:
             return await controller.report.remote(message)
 
-        self.core = ReplicaCore(self.config.replica(), replica_id=serve.get_replica_context().replica_id.unique_id,
+        self.core = CoreProcess(self.config.replica(), replica_id=serve.get_replica_context().replica_id.unique_id,
                                 node_id=ray.get_runtime_context().get_node_id(),
-                                controller=report if controller is not None else None, on_fatal=self._engine_failed)
-        self.core.start()
+                                controller=report if controller is not None else None, on_fatal=self._engine_failed,
+                                preload=("deployments.protocol",))
 
     async def generate(self, kind: str, request: Any,
                        overrides: dict[str, Any] | None) -> AsyncIterator[Delta | RequestError]:
@@ -53,34 +57,33 @@ class EntropicWorker:
         except (InvalidRequest, ReplicaUnavailable, RequestFailed) as exc:
             yield exc
 
-    def info(self) -> dict[str, Any]:
-        return self.core.info()
+    async def info(self) -> dict[str, Any]:
+        return await self.core.info()
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for deployments.routing.SoonestServedRouter (a dict: Serve's format)."""
-        self.core.routing_polls += 1
-        load = self.core.load()
+        load, problem = await self.core.routing_stats()
         # A replica whose engine has stopped must not look idle: it ranks last until Serve replaces it.
-        waiting = load.waiting if self.core.health_problem() is None else _UNAVAILABLE_QUEUE
+        waiting = load.waiting if problem is None else _UNAVAILABLE_QUEUE
         return {"at": time.time(), "running": load.running, "waiting": waiting,
                 "max_num_seqs": load.max_num_seqs, "step_s": load.step_s, "unit_step_s": load.unit_step_s}
 
     async def check_health(self) -> None:
         """Serve's health check: fails once the engine loop has stopped or one step has hung."""
-        problem = self.core.health_problem()
+        problem = await self.core.health_problem()
         if problem is not None:
             raise RuntimeError(problem)
 
-    def inject_engine_fault(self) -> str:
+    async def inject_engine_fault(self) -> str:
         """Stop this replica's engine loop from inside, as a crashing step would (``fault_injection``
         must be on): its streams fail, its health check fails, it leaves and Serve replaces it."""
         if not self.config.fault_injection:
             raise InvalidRequest("fault injection is off in this deployment", "fault_injection")
-        self.core.runner.stop_with_error(RuntimeError("injected engine fault"))
+        await self.core.inject_fault()
         return self.core.replica_id
 
     def _engine_failed(self, exc: BaseException) -> None:
-        """Engine thread: the loop stopped. Its streams already have their error; leave the cluster.
+        """The engine loop (or its process) stopped. Its streams already have their error; leave the cluster.
 
         vLLM's own server exits when its engine dies (so an orchestrator restarts it); a replica
         does the same so Serve replaces it now, instead of after three failed health checks.

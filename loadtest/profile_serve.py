@@ -6,15 +6,16 @@ Each round starts our server and `vllm serve` (the ``matched`` pair of ``loadtes
 dtype, compiled, context, batch and KV cache), one at a time in alternating order, and drives each with
 one data set while sampling, once a second:
 
-* the CPU time of the thread that runs the model: our replica's engine thread (named ``vllm-engine``)
-  or the main thread of vLLM's ``VLLM::Worker`` process; and of every other thread of that process;
+* the CPU time of the thread that runs the model: our replica's engine thread (named ``vllm-engine``, in
+  the replica's engine process ``engine-<replica id>``, workers/process.py) or the main thread of vLLM's
+  ``VLLM::Worker`` process; and of every other thread of that process;
 * the machine's idle and steal time (``/proc/stat``).
 
 The loaded window is from the first to the last second in which the model thread used more than half a
 core. Over it the result gives the model thread's share of one core (1.0: it never waited), the rest of
 its process's CPU, and the machine's idle share: a model thread well under 1.0 while the machine has
-idle CPU is waiting inside its own process (on Python's GIL: our replica runs Ray Serve's request
-handling in the engine's process), not for a core.
+idle CPU is waiting inside its own process (on Python's GIL: until our replica moved its engine into a
+process of its own, Ray Serve's request handling ran in the engine's process), not for a core.
 
 With ``--pyspy-s N`` and ``py-spy`` on PATH (``pip install py-spy``; needs ptrace permission) it also samples
 the model thread's native stacks for N seconds mid-run and counts the samples waiting to take the GIL.
@@ -62,8 +63,10 @@ def _machine() -> tuple[int, int, int]:
 
 def model_process(label: str) -> int:
     """The pid of the process whose thread runs the model."""
-    pattern = "ServeReplica:entropic:EntropicWorker" if label == "ours" else "VLLM::Worker"
-    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    # Ours: the engine process names itself engine-<replica id> (its comm, which pgrep matches without -f)
+    command = ["pgrep", "^engine-"] if label == "ours" else ["pgrep", "-f", "VLLM::Worker"]
+    pattern = command[-1]
+    found = subprocess.run(command, capture_output=True, text=True).stdout.split()
     if len(found) != 1:
         raise RuntimeError(f"expected one process matching {pattern!r}, found {found}")
     return int(found[0])

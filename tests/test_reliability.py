@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -191,6 +193,7 @@ def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
 
     before = _worker_replicas()
     assert len(before) == 2
+    engine_pids = _engine_pids()
     with cf.ThreadPoolExecutor(16) as pool:
         # Long streams until both replicas hold started ones: the router may put a burst on one replica
         # when it rates that one faster (controller.laws.routing; an idle replica keeps the step time of
@@ -227,6 +230,9 @@ def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
     while any(victim in name for name in _worker_replicas()):
         assert time.time() < deadline, "the failed replica is still there"
         time.sleep(0.2)
+    while _pid_alive(engine_pids[victim]):  # its engine process does not outlive it
+        assert time.time() < deadline + 10, "the failed replica's engine process is still running"
+        time.sleep(0.2)
     deadline = time.time() + 180
     while len(after := _worker_replicas()) < 2 or _running_workers() < 2:
         assert time.time() < deadline, "Serve did not replace the failed replica"
@@ -236,4 +242,65 @@ def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
     while len(httpx.get(f"{server}/debug/requests").json()) < 2:  # the new replica reports to the controller
         assert time.time() < deadline, "the replacement replica never reported"
         time.sleep(0.5)
+    assert _post(server, "chat", {}).status_code == 200
+
+
+def _engine_pids() -> dict[str, int]:
+    """replica id -> pid of its engine process (workers.process names it ``engine-<replica id>``)."""
+    pids = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            name = open(f"/proc/{pid}/comm").read().strip()
+        except OSError:
+            continue
+        if name.startswith("engine-") and _pid_alive(int(pid)):
+            pids[name.removeprefix("engine-")] = int(pid)
+    replicas = {name.rsplit("#", 1)[-1] for name in _worker_replicas()}
+    assert set(pids) == replicas, (pids, replicas)  # one engine process per replica, named by its id
+    return pids
+
+
+def _pid_alive(pid: int) -> bool:
+    """A zombie counts as gone: it has exited, only its parent has not collected it yet."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.disruptive
+def test_an_engine_process_killed_from_outside_is_noticed_and_replaced(server):
+    """The engine runs in a child process of its replica (workers.process): killed as the kernel's OOM
+    killer would (SIGKILL, no chance to say anything), its streams still end in-band and at once, the
+    replica leaves, and Serve replaces it. The replica's process is not the engine's."""
+    pids = _engine_pids()
+    for pid in pids.values():  # the engine's parent is the Serve replica (Ray titles its process)
+        parent = int(next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("PPid:")))
+        assert "ServeReplica:entropic:EntropicWorker" in open(f"/proc/{parent}/cmdline").read(), pid
+    victim, pid = next(iter(pids.items()))
+    with cf.ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(_stream, server, f"Chapter {i}:", 300) for i in range(6)]
+        deadline = time.time() + 90
+        while not any(s["generated"] for s in (httpx.get(f"{server}/debug/requests").json().get(victim) or {})
+                      .get("summaries", {}).values()):
+            assert time.time() < deadline, "no stream got under way on the victim"
+            time.sleep(0.1)
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        results = [f.result(timeout=300) for f in streams]
+    failed = [r for r in results if r["error"] is not None]
+    assert failed, results
+    for r in failed:
+        assert r["done"] and r["error"]["code"] == 500 and "Traceback" not in r["error"]["message"]
+        assert r["ended"] - killed_at < 3.0, r
+    assert all(r["tokens"] == 300 and r["done"] for r in results if r["error"] is None)
+    deadline = time.time() + 10
+    while any(victim in name for name in _worker_replicas()):
+        assert time.time() < deadline, "the replica whose engine died is still there"
+        time.sleep(0.2)
+    deadline = time.time() + 180
+    while len(_worker_replicas()) < 2 or _running_workers() < 2:
+        assert time.time() < deadline, "Serve did not replace the replica"
+        time.sleep(1)
     assert _post(server, "chat", {}).status_code == 200

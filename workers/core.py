@@ -35,7 +35,7 @@ from workers.tracking import GrantBoard, PriorityBoard, SequenceTrack
 
 logger = logging.getLogger(__name__)
 
-ControllerLink = Callable[[TelemetryReport], Awaitable[ControllerAnswer]]
+ControllerLink = Callable[[TelemetryReport], Awaitable[ControllerAnswer | None]]
 
 _METRICS_PERIOD_S = 1.0
 

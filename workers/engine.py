@@ -275,7 +275,7 @@ class EngineRunner:
             command()
 
     def _loop(self) -> None:
-        _name_os_thread("vllm-engine")
+        name_os_thread("vllm-engine")
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
@@ -375,7 +375,7 @@ class EngineRunner:
             track.add_surprisal(stream.prompt_tokens + stream.emitted, values, block_size)
 
 
-def _name_os_thread(name: str) -> None:
+def name_os_thread(name: str) -> None:
     """Give the calling thread an OS-level name, so ``top -H``, ``py-spy`` and ``/proc/<pid>/task/*/comm`` can
     tell the engine thread from Ray's threads in a replica process (Linux; elsewhere a no-op)."""
     try:
