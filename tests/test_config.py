@@ -38,7 +38,7 @@ def test_invalid_values_name_the_field(raw, field):
 
 @pytest.mark.parametrize("name", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
 def test_engine_parallelism_is_refused_at_start_naming_the_field(name):
-    """A replica runs its engine in its own process (docs/design/engine-embedding.md)."""
+    """A replica runs its engine in one process (docs/design/engine-embedding.md)."""
     with pytest.raises(ValidationError) as info:
         AppConfig.model_validate({"engine": {"extra": {name: 2}}})
     assert f"engine.extra.{name}=2" in str(info.value) and "engine-embedding.md" in str(info.value)

@@ -1,1 +1,1 @@
-"""Worker replicas: one in-process vLLM engine each, with entropy-stabilized sampling."""
+"""Worker replicas: one vLLM engine each, in the process of the replica's core, with entropy-stabilized sampling."""

@@ -16,7 +16,7 @@ from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 CPU_PRUNING_BLOCK_SIZE = 64
 
-# EngineArgs a replica cannot honour: the engine runs in the replica's process (no multiprocess engine
+# EngineArgs a replica cannot honour: the engine runs in the process of the replica's core (no multiprocess engine
 # core, docs/design/engine-embedding.md), so there is one worker and no parallel group.
 _PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
@@ -47,7 +47,7 @@ class EngineConfig(BaseModel):
         for name in _PARALLEL_ARGS:
             if int(extra.get(name) or 1) > 1:
                 raise ValueError(
-                    f"engine.extra.{name}={extra[name]}: a replica runs its engine in its own process, which rules "
+                    f"engine.extra.{name}={extra[name]}: a replica runs its engine in one process, which rules "
                     "out tensor, pipeline and data parallelism (docs/design/engine-embedding.md); scale with "
                     "num_replicas instead")
         return extra
