@@ -278,16 +278,19 @@ def test_an_engine_process_killed_from_outside_is_noticed_and_replaced(server):
     for pid in pids.values():  # the engine's parent is the Serve replica (Ray titles its process)
         parent = int(next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("PPid:")))
         assert "ServeReplica:entropic:EntropicWorker" in open(f"/proc/{parent}/cmdline").read(), pid
-    victim, pid = next(iter(pids.items()))
     with cf.ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(_stream, server, f"Chapter {i}:", 300) for i in range(6)]
         deadline = time.time() + 90
-        while not any(s["generated"] for s in (httpx.get(f"{server}/debug/requests").json().get(victim) or {})
-                      .get("summaries", {}).values()):
-            assert time.time() < deadline, "no stream got under way on the victim"
+        while True:  # the victim: a replica with a stream under way
+            under_way = [r for r, report in httpx.get(f"{server}/debug/requests").json().items()
+                         if any(s["generated"] for s in report.get("summaries", {}).values())]
+            if under_way:
+                break
+            assert time.time() < deadline, "no stream got under way"
             time.sleep(0.1)
+        victim = under_way[0]
         killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
         results = [f.result(timeout=300) for f in streams]
     failed = [r for r in results if r["error"] is not None]
     assert failed, results
