@@ -187,6 +187,31 @@ def test_a_disconnect_frees_the_engine_and_the_gauges_say_so(server):
         time.sleep(0.2)
 
 
+def _ended_in_band(results: list[dict], failed_at: float) -> list[dict]:
+    """The streams that failed, each checked: an in-band error object, then [DONE], within a second or
+    two of the failure; every other stream complete."""
+    failed = [r for r in results if r["error"] is not None]
+    for r in failed:
+        assert r["done"] and r["error"]["code"] == 500 and "Traceback" not in r["error"]["message"]
+        assert r["ended"] - failed_at < 3.0, r
+    assert all(r["tokens"] == 300 and r["done"] for r in results if r["error"] is None)
+    return failed
+
+
+def _replaced(victim: str) -> set[str]:
+    """Wait for the victim replica to leave (well within Serve's 2 s health period) and Serve to start
+    another; the replicas then."""
+    deadline = time.time() + 10
+    while any(victim in name for name in _worker_replicas()):
+        assert time.time() < deadline, "the failed replica is still there"
+        time.sleep(0.2)
+    deadline = time.time() + 180
+    while len(after := _worker_replicas()) < 2 or _running_workers() < 2:
+        assert time.time() < deadline, "Serve did not replace the failed replica"
+        time.sleep(1)
+    return after
+
+
 @pytest.mark.disruptive
 def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
     from ray import serve
@@ -218,25 +243,13 @@ def test_an_engine_that_fails_ends_its_streams_at_once_and_is_replaced(server):
         meanwhile = [pool.submit(_post, server, "chat", {}) for _ in range(4)]
         results = [f.result(timeout=300) for f in streams]
         assert [r.status_code for r in (f.result(timeout=300) for f in meanwhile)] == [200] * 4
-    failed = [r for r in results if r["error"] is not None]
+    failed = _ended_in_band(results, injected_at)
     assert len(failed) == started.get(victim, 0), (started, victim, results)  # exactly the victim's streams
-    for r in failed:  # an in-band error object, then [DONE], within a second or two
-        assert r["done"] and r["error"]["code"] == 500 and "Traceback" not in r["error"]["message"]
-        assert r["ended"] - injected_at < 3.0, r
-    assert all(r["tokens"] == 300 and r["done"] for r in results if r["error"] is None)
-
-    # The replica leaves (it is gone well within Serve's 2 s health period) and Serve starts another.
+    after = _replaced(victim)
     deadline = time.time() + 10
-    while any(victim in name for name in _worker_replicas()):
-        assert time.time() < deadline, "the failed replica is still there"
-        time.sleep(0.2)
     while _pid_alive(engine_pids[victim]):  # its engine process does not outlive it
-        assert time.time() < deadline + 10, "the failed replica's engine process is still running"
+        assert time.time() < deadline, "the failed replica's engine process is still running"
         time.sleep(0.2)
-    deadline = time.time() + 180
-    while len(after := _worker_replicas()) < 2 or _running_workers() < 2:
-        assert time.time() < deadline, "Serve did not replace the failed replica"
-        time.sleep(1)
     assert len(after - before) == 1 and not any(victim in name for name in after)
     deadline = time.time() + 120
     while len(httpx.get(f"{server}/debug/requests").json()) < 2:  # the new replica reports to the controller
@@ -292,18 +305,6 @@ def test_an_engine_process_killed_from_outside_is_noticed_and_replaced(server):
         killed_at = time.time()
         os.kill(pids[victim], signal.SIGKILL)
         results = [f.result(timeout=300) for f in streams]
-    failed = [r for r in results if r["error"] is not None]
-    assert failed, results
-    for r in failed:
-        assert r["done"] and r["error"]["code"] == 500 and "Traceback" not in r["error"]["message"]
-        assert r["ended"] - killed_at < 3.0, r
-    assert all(r["tokens"] == 300 and r["done"] for r in results if r["error"] is None)
-    deadline = time.time() + 10
-    while any(victim in name for name in _worker_replicas()):
-        assert time.time() < deadline, "the replica whose engine died is still there"
-        time.sleep(0.2)
-    deadline = time.time() + 180
-    while len(_worker_replicas()) < 2 or _running_workers() < 2:
-        assert time.time() < deadline, "Serve did not replace the replica"
-        time.sleep(1)
+    assert _ended_in_band(results, killed_at), results
+    _replaced(victim)
     assert _post(server, "chat", {}).status_code == 200

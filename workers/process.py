@@ -49,7 +49,39 @@ logger = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 10.0
 
 
-class CoreProcess:
+class _PipeEnd:
+    """One end of the pipe: sends under a lock (the engine thread sends too), and reads on a thread of its
+    own, handing each message to ``_dispatch`` on the event loop and, when the other end closes, calling
+    ``_closed`` there."""
+
+    _conn: Any
+    _loop: asyncio.AbstractEventLoop
+    _send_lock: threading.Lock
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _start_reading(self) -> None:
+        threading.Thread(target=self._read, name="engine-process-relay", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+        self._loop.call_soon_threadsafe(self._closed)
+
+    def _dispatch(self, message: tuple) -> None:
+        raise NotImplementedError
+
+    def _closed(self) -> None:
+        raise NotImplementedError
+
+
+class CoreProcess(_PipeEnd):
     """Parent side: starts the child, relays requests and calls to it, and notices when it dies."""
 
     def __init__(self, config: ReplicaConfig, *, replica_id: str, node_id: str = "",
@@ -82,8 +114,7 @@ class CoreProcess:
         self._stopping = False
         self.max_model_len = self._await_ready(start_timeout_s)
         self.last_heard = time.monotonic()
-        self._reader = threading.Thread(target=self._read, name="engine-process-relay", daemon=True)
-        self._reader.start()
+        self._start_reading()
 
     def _await_ready(self, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
@@ -176,18 +207,6 @@ class CoreProcess:
         finally:
             self._calls.pop(cid, None)
 
-    def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(message)
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            self._loop.call_soon_threadsafe(self._dispatch, message)
-        self._loop.call_soon_threadsafe(self._child_gone)
 
     def _dispatch(self, message: tuple) -> None:
         self.last_heard = time.monotonic()
@@ -219,7 +238,7 @@ class CoreProcess:
         if self._gone is None:
             self._send(("answer", rid, answer))
 
-    def _child_gone(self) -> None:
+    def _closed(self) -> None:  # the child has exited
         if self._gone is not None:
             return
         self._gone = RuntimeError(f"engine process exited (exit code {self._process.exitcode})")
@@ -253,7 +272,7 @@ def run_child(conn: Any, config: ReplicaConfig, replica_id: str, node_id: str, w
         os._exit(0)
 
 
-class _Child:
+class _Child(_PipeEnd):
     def __init__(self, conn: Any, with_controller: bool) -> None:
         self._conn = conn
         self._with_controller = with_controller
@@ -277,22 +296,13 @@ class _Child:
             return
         self.core.start()
         self._send(("ready", self.core.runner.max_model_len))
-        threading.Thread(target=self._read, name="engine-process-relay", daemon=True).start()
+        self._start_reading()
         await self._stopped.wait()
         self.core.shutdown()
 
-    def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(message)
 
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):  # the replica is gone: so is its engine
-                break
-            self._loop.call_soon_threadsafe(self._dispatch, message)
-        self._loop.call_soon_threadsafe(self._stopped.set)
+    def _closed(self) -> None:  # the replica is gone: so is its engine
+        self._stopped.set()
 
     def _dispatch(self, message: tuple) -> None:
         tag = message[0]
