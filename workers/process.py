@@ -14,7 +14,7 @@ so everything ``workers.engine`` reads in place is still read in place.
 
 * parent → child: ``("generate", cid, kind, request, overrides)``, ``("cancel", cid)``,
   ``("call", cid, name)``, ``("answer", rid, ControllerAnswer | None)``, ``("stop",)``;
-* child → parent: ``("ready", max_model_len)``, ``("start_failed", message)``, ``("delta", cid, Delta)``,
+* child → parent: ``("ready",)``, ``("start_failed", message)``, ``("delta", cid, Delta)``,
   ``("end", cid)``, ``("raise", cid, RequestError)``, ``("result", cid, ok, value)``,
   ``("report", rid, TelemetryReport)`` (the parent forwards it to the controller and sends the answer
   back), ``("fatal", message)`` (the engine loop stopped).
@@ -112,11 +112,11 @@ class CoreProcess(_PipeEnd):
         self._calls: dict[int, asyncio.Future] = {}
         self._gone: BaseException | None = None
         self._stopping = False
-        self.max_model_len = self._await_ready(start_timeout_s)
+        self._await_ready(start_timeout_s)
         self.last_heard = time.monotonic()
         self._start_reading()
 
-    def _await_ready(self, timeout_s: float) -> int:
+    def _await_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(1.0):
             if not self._process.is_alive():
@@ -128,7 +128,6 @@ class CoreProcess(_PipeEnd):
         if message[0] != "ready":
             self._process.join(timeout=10)
             raise RuntimeError(f"the engine process failed to start: {message[1]}")
-        return message[1]
 
     # --- calls ------------------------------------------------------------------------------------
     async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None = None) -> AsyncIterator[Delta]:
@@ -189,10 +188,6 @@ class CoreProcess(_PipeEnd):
         if self._process.is_alive():
             self._process.kill()
         self._conn.close()
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
 
     # --- relay ------------------------------------------------------------------------------------
     async def _call(self, name: str) -> Any:
@@ -295,7 +290,7 @@ class _Child(_PipeEnd):
             self._send(("start_failed", f"{type(exc).__name__}: {exc}"))
             return
         self.core.start()
-        self._send(("ready", self.core.runner.max_model_len))
+        self._send(("ready",))
         self._start_reading()
         await self._stopped.wait()
         self.core.shutdown()
