@@ -17,6 +17,9 @@ Pairs (``--pairs``):
 - ``layers-off``: ``matched`` with our server's ``telemetry: false`` (vLLM's engine as shipped: no logits
   processor, no π scheduler, no pruning). Against ``matched`` it splits what our serving path costs
   (Serve's proxy, the ingress, the replica and its engine process) from what the control layers cost.
+- ``same-block``: ``matched`` with ``vllm serve`` given our KV block size (with pruning on, our CPU
+  engine uses smaller blocks than vLLM's CPU default). Against ``matched`` it splits what the block
+  size costs from what our serving path and layers cost.
 
 Data sets (``--sets``), all ``--ignore-eos`` to a fixed output length: a decode-speed measurement, the
 same number of tokens on both sides (``vllm bench serve`` random data has no natural end anyway):
@@ -179,10 +182,14 @@ def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str) -> tupl
     plain = {"VLLM_PLUGINS": ""}  # a user's vLLM has no plugin of ours
     if pair == "defaults":
         return Server("ours", ours_argv, 8100), Server("vllm", vllm_argv, 8200, env=plain)
-    if pair in ("matched", "layers-off"):
+    if pair in ("matched", "layers-off", "same-block"):
         engine = {"enforce_eager": False, "dtype": dtype, "max_model_len": 8192, "max_num_seqs": 16,
                   "kv_cache_space_gib": KV_CACHE_GIB}
         vllm_argv += ["--dtype", dtype, "--max-model-len", "8192", "--max-num-seqs", "16"]
+        if pair == "same-block":
+            from workers.config import CPU_PRUNING_BLOCK_SIZE
+
+            vllm_argv += ["--block-size", str(CPU_PRUNING_BLOCK_SIZE)]
         # vLLM on CPU otherwise sizes its KV cache to 90% of memory, which at float32 exhausted 24 GiB here
         config: dict = {"engine": engine, **({"telemetry": False} if pair == "layers-off" else {})}
         return (Server("ours", ours_argv, 8100, config=config),
@@ -252,7 +259,8 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"], choices=["defaults", "matched", "layers-off"])
+    parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"],
+                        choices=["defaults", "matched", "layers-off", "same-block"])
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
