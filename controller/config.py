@@ -24,6 +24,8 @@ class SchedulingConfig(BaseModel):
     remaining_cap_tokens: float = Field(512.0, gt=0, description="remaining work counts at most this many tokens")
     drop_ewma: float = Field(0.2, gt=0, le=1, description="EWMA weight of dH+ in E[dH]")
     prior_drop: float = Field(0.3, ge=0, description="E[dH] (nats/token) assumed before a request's first token")
+    entropy_terms: bool = Field(True, description="false: E[dH] is prior_drop for every request, so π orders by "
+                                "cost, slack, remaining work and aging alone (the no-entropy baseline)")
     preempt_margin: float | None = Field(
         None, ge=1, description="π ratio a waiting request needs to preempt a running one; None: no priority "
         "preemption (vLLM still preempts the lowest π under KV pressure)")
@@ -41,3 +43,24 @@ class SchedulingConfig(BaseModel):
         return PriorityWeights(alpha=self.alpha, beta=self.beta, gamma=self.gamma, aging_s=self.aging_s,
                                delta=self.delta, ref_output_tokens=self.ref_output_tokens,
                                remaining_cap_tokens=self.remaining_cap_tokens)
+
+
+class DispatchConfig(BaseModel):
+    """Late binding: new requests wait in the controller's cluster-wide queue, highest π first, until a
+    replica has a free batch slot and KV cache for them (controller.dispatcher)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="off: each request goes to a replica on arrival (Serve's router) and "
+                          "waits in that replica's scheduler")
+    max_queued: int = Field(256, ge=1, description="requests waiting in the controller's queue; past it, 503 with "
+                            "Retry-After")
+    max_wait_s: float | None = Field(None, gt=0, description="longest a request may wait for a replica before it is "
+                                     "shed (503 with Retry-After); None: scheduling.slo_s, since a request dispatched "
+                                     "later cannot meet its SLO")
+    admit_timeout_s: float = Field(0.5, gt=0, description="longest the ingress waits for the controller to take a "
+                                   "request into its queue; slower or unreachable, the request goes to Serve's "
+                                   "router instead")
+    in_flight_s: float = Field(2.0, gt=0, description="a dispatched request counts against its replica's free slots "
+                               "until the replica's telemetry shows it, or this long")
+    stale_after_s: float = Field(3.0, gt=0, description="a replica not heard from for this long gets nothing")

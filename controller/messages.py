@@ -13,8 +13,8 @@ from typing import Any
 from controller.laws.priority import SequenceState
 from controller.laws.routing import ReplicaLoad
 
-__all__ = ["ControllerAnswer", "ReplicaLoad", "RoutingView", "SequenceState", "SequenceSummary",
-           "TelemetryReport", "as_json"]
+__all__ = ["Admission", "ControllerAnswer", "Grant", "ReplicaLoad", "RoutingView", "SequenceState",
+           "SequenceSummary", "TelemetryReport", "as_json"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +45,8 @@ class TelemetryReport:
     load: ReplicaLoad
     routing_stats_polls: int  # how often Serve has polled this replica's routing stats
     leases: dict[str, int] | None  # decode steps left per request key (grants on), else None
+    kv_free_tokens: int  # KV cache free now (cached prefixes nobody holds count as free), in tokens
+    kv_total_tokens: int  # the whole KV cache, in tokens
     metrics: list[Any] | None = None  # the replica's Prometheus metric families, once a second
 
 
@@ -62,6 +64,27 @@ class RoutingView:
 
     loads: dict[str, ReplicaLoad]
     ages_s: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Admission:
+    """A new request asking the controller's queue for a replica (ingress → controller)."""
+
+    key: str  # the request's key in the replica's telemetry once it runs there
+    prompt_tokens: int  # estimated by the ingress, which holds no tokenizer
+    max_tokens: int | None
+    waited_s: float = 0.0  # already waited in an earlier controller's queue (resent after a restart)
+    max_wait_s: float  # how long it may wait for a replica before it is shed
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Grant:
+    """The controller's answer to an ``Admission``: the replica to send it to, or why not."""
+
+    key: str
+    replica_id: str | None  # None: not dispatched (see ``shed``)
+    shed: str | None = None  # "queue_full", "deadline": answer 503; "too_large": let a replica's engine judge it
+    waited_s: float = 0.0
 
 
 def as_json(message: Any) -> Any:

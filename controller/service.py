@@ -5,10 +5,12 @@ Replicas send a ``TelemetryReport`` every control period: the entropy profile of
 request, their load, and once a second their metric families. The answer carries the scheduling
 decisions for that replica's sequences: π(s) and, with ``scheduling.grant_slots`` set, the
 decode-step leases to renew. The ingress reads the merged metrics (/metrics), the profiles
-(/debug/requests) and the routing view (for its request router) from here.
+(/debug/requests) and the routing view (for its request router) from here. With ``dispatch.enabled``
+new requests also wait here for a replica (``controller.dispatcher``): ``enqueue`` / ``withdraw``.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -16,10 +18,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from controller.config import SchedulingConfig
+from controller.config import DispatchConfig, SchedulingConfig
+from controller.dispatcher import Dispatcher
 from controller.laws.grants import to_renew
 from controller.laws.priority import priorities
-from controller.messages import ControllerAnswer, RoutingView, TelemetryReport, as_json
+from controller.messages import Admission, ControllerAnswer, RoutingView, TelemetryReport, as_json
 from controller.metrics_merge import merge_families
 
 _STALE_AFTER_S = 30.0
@@ -34,7 +37,7 @@ class _Heard:
 
 
 class EntropyController:
-    def __init__(self, scheduling: SchedulingConfig | None = None) -> None:
+    def __init__(self, scheduling: SchedulingConfig | None = None, dispatch: DispatchConfig | None = None) -> None:
         self._scheduling = scheduling or SchedulingConfig()
         self._weights = self._scheduling.weights()
         self._grant_policy = self._scheduling.grant_policy() if self._scheduling.grant_slots else None
@@ -48,6 +51,8 @@ class EntropyController:
                                buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1), registry=self._registry)
         self._report_count = Counter("entropic_telemetry_reports", "Telemetry reports received from replicas",
                                      registry=self._registry)
+        self._dispatcher = (Dispatcher(dispatch, self._scheduling, self._registry)
+                            if dispatch is not None and dispatch.enabled else None)
 
     def report(self, report: TelemetryReport) -> ControllerAnswer:
         """Take one replica's telemetry; answer with π for each of its sequences and, with decode-step
@@ -65,8 +70,23 @@ class EntropyController:
         granted = tuple(to_renew(pi, self._grant_policy)) if self._grant_policy is not None else None
         answer = ControllerAnswer(priorities=pi, granted=granted)
         self._heard[report.replica_id] = _Heard(report, answer, now, lag)
+        if self._dispatcher is not None:
+            self._dispatcher.observe(report)
         self._loop.observe(time.perf_counter() - started)
         return answer
+
+    def enqueue(self, admission: Admission) -> asyncio.Future:
+        """Queue a new request for a replica (dispatch on); the future resolves to its ``Grant``."""
+        if self._dispatcher is None:
+            raise RuntimeError("dispatch is off in this deployment")
+        return self._dispatcher.enqueue(admission)
+
+    def withdraw(self, key: str, future: asyncio.Future) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.withdraw(key, future)
+
+    def dispatch_view(self) -> dict[str, Any]:
+        return self._dispatcher.snapshot() if self._dispatcher is not None else {"enabled": False}
 
     def _live(self) -> dict[str, _Heard]:
         cutoff = time.time() - _STALE_AFTER_S

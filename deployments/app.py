@@ -18,6 +18,14 @@ def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
     return {"env_vars": engine_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)}
 
 
+def request_router_class(config: AppConfig) -> str | None:
+    """The worker deployment's request router; None: Serve's default. With dispatch on, one that sends a
+    request to the replica the controller granted."""
+    if config.request_router == "soonest_served":
+        return "deployments.routing.SoonestServedRouter"
+    return "deployments.routing.GrantedPowerOfTwoRouter" if config.dispatch.enabled else None
+
+
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     as_dict = config.model_dump()
@@ -31,8 +39,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.queue_bound(),
         request_router_config=RequestRouterConfig(
-            **({"request_router_class": "deployments.routing.SoonestServedRouter"}
-               if config.request_router == "soonest_served" else {}),
+            **({"request_router_class": router} if (router := request_router_class(config)) else {}),
             request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=2.0),
         ray_actor_options={
             "num_cpus": config.num_cpus_per_replica,

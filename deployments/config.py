@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from controller.config import DispatchConfig
 from workers.config import ReplicaConfig
 
 
@@ -38,8 +39,20 @@ class AppConfig(ReplicaConfig):
     request_router: Literal["power_of_two", "soonest_served"] = Field(
         "power_of_two", description="Serve's default power-of-two router, or deployments.routing.SoonestServedRouter "
         "(the replica expected to serve a new request soonest, from the controller's view)")
+    dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
     routing_view_period_s: float = Field(
         0.05, gt=0, le=1.5, description="how often the ingress fetches the controller's routing view (soonest_served)")
+
+    @model_validator(mode="after")
+    def _serve_queue_holds_the_grants(self) -> AppConfig:
+        # Granted requests pass through Serve's queue on their way to the replica; a burst of grants (up to
+        # every batch slot at once) must not find it full.
+        slots = self.engine.max_num_seqs * (self.autoscaling.max_replicas if self.autoscaling else self.num_replicas)
+        if self.dispatch.enabled and self.max_queued_requests is not None and 0 <= self.max_queued_requests < slots:
+            raise ValueError(f"max_queued_requests ({self.max_queued_requests}) must be at least the batch slots "
+                             f"({slots}) with dispatch on, or -1: the controller's queue (dispatch.max_queued) "
+                             "bounds what waits")
+        return self
 
     def queue_bound(self) -> int:
         """Serve's max_queued_requests for the worker deployment (``max_queued_requests`` resolved)."""

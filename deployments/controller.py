@@ -1,11 +1,12 @@
 """The central controller as a single-replica Serve deployment (the logic: ``controller.service``)."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
-from controller.messages import ControllerAnswer, RoutingView, TelemetryReport
+from controller.messages import Admission, ControllerAnswer, Grant, RoutingView, TelemetryReport
 from controller.service import EntropyController
 from deployments.config import AppConfig
 
@@ -15,10 +16,26 @@ from deployments.config import AppConfig
                   ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False})
 class ControllerDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
-        self._controller = EntropyController(AppConfig.model_validate(config).scheduling)
+        app = AppConfig.model_validate(config)
+        self._controller = EntropyController(app.scheduling, app.dispatch)
 
-    def report(self, report: TelemetryReport) -> ControllerAnswer:
+    # Async, so they run on the replica's event loop (Serve runs plain methods in a thread pool): the
+    # dispatch queue's futures belong to that loop.
+    async def report(self, report: TelemetryReport) -> ControllerAnswer:
         return self._controller.report(report)
+
+    async def admit(self, admission: Admission) -> AsyncIterator[Grant | None]:
+        """Called with ``stream=True``: first ``None`` once the request is queued (the ingress bounds only
+        this wait), then its ``Grant``. A caller that stops listening withdraws the request."""
+        future = self._controller.enqueue(admission)
+        try:
+            yield None
+            yield await future
+        finally:
+            self._controller.withdraw(admission.key, future)
+
+    async def dispatch_view(self) -> dict[str, Any]:
+        return self._controller.dispatch_view()
 
     def routing_view(self) -> RoutingView:
         return self._controller.routing_view()

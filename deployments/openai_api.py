@@ -8,6 +8,7 @@ Every choice carries the ``entropic`` extension, which standard clients ignore.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controller.messages import Admission, Grant
 from deployments import protocol as p
 from deployments.config import AppConfig
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
@@ -105,6 +107,7 @@ class OpenAIIngress:
         # keeps per replica) must outlive a single request.
         self.worker_stream = worker.options(stream=True)
         self.controller = controller
+        self.controller_stream = controller.options(stream=True)
         self.config = AppConfig.model_validate(config)
         self.model_name = self.config.model_name
         self._view_polls = 0
@@ -190,6 +193,19 @@ class OpenAIIngress:
         return JSONResponse({"router": self.config.request_router, "decisions": decision_counts(),
                              "view_polls": self._view_polls, "view": CONTROLLER_VIEW.snapshot()})
 
+    @app.get("/debug/dispatch")
+    async def debug_dispatch(self) -> JSONResponse:
+        """The controller's queue and slot accounting, and this ingress's admissions by outcome."""
+        from deployments.routing_view import admission_counts
+
+        try:
+            queue = await asyncio.wait_for(self.controller.dispatch_view.remote(), timeout=10)
+        except Exception as exc:
+            logger.info("debug: controller unreachable (%s)", type(exc).__name__)
+            queue = None
+        return JSONResponse({"enabled": self.config.dispatch.enabled, "admissions": admission_counts(),
+                             "controller": queue})
+
     # --- generation -------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
@@ -221,8 +237,13 @@ class OpenAIIngress:
         except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
+        key = f"{kind}-{uuid.uuid4().hex}"
+        grant = await self._admit(key, kind, request)
+        if grant is not None and grant.shed in ("queue_full", "deadline"):
+            return _error("the server is at capacity; retry shortly", code=503, kind="ServiceUnavailableError",
+                          retry_after=_RETRY_AFTER_S)
         try:
-            first, stream = await self._start(kind, request)
+            first, stream = await self._start(kind, request, grant)
         except InvalidRequest as exc:
             return _error(exc.message, exc.param)
         except ReplicaUnavailable as exc:
@@ -244,14 +265,49 @@ class OpenAIIngress:
             )
         return await self._full(kind, request_id, created, first, stream)
 
-    async def _start(self, kind: str, request: Any) -> tuple[Any, Any]:
-        """Send the request to a replica and wait for its first output.
+    async def _admit(self, key: str, kind: str, request: Any) -> Grant | None:
+        """With dispatch on, wait in the controller's queue for a replica: the ``Grant`` (a replica, or shed).
+        None: dispatch is off, or the controller did not take the request within ``admit_timeout_s``
+        (down, restarting, late): Serve's router chooses, as without dispatch. A controller that fails
+        while the request waits gets it once more, with the time already waited, so a restarted one
+        rebuilds its queue in the same order."""
+        from deployments import routing_view
+
+        dispatch = self.config.dispatch
+        if not dispatch.enabled:
+            return None
+        tokens, max_tokens = p.prompt_estimate(kind, request)
+        max_wait = dispatch.max_wait_s or self.config.scheduling.slo_s
+        started = time.monotonic()
+        for _ in range(2):
+            waited = time.monotonic() - started
+            answers = self.controller_stream.admit.remote(Admission(
+                key=key, prompt_tokens=tokens, max_tokens=max_tokens, waited_s=waited, max_wait_s=max_wait))
+            try:
+                await asyncio.wait_for(answers.__anext__(), dispatch.admit_timeout_s)  # queued
+                grant = await asyncio.wait_for(answers.__anext__(), max_wait - waited + dispatch.admit_timeout_s)
+            except asyncio.CancelledError:  # the client left: the controller withdraws it
+                answers.cancel()
+                raise
+            except Exception as exc:
+                answers.cancel()
+                logger.info("dispatch: the controller did not answer (%s)", type(exc).__name__)
+                if time.monotonic() - started > max_wait:
+                    break
+                continue
+            routing_view.record_admission("controller" if grant.replica_id is not None else grant.shed or "none")
+            return grant
+        routing_view.record_admission("fallback")
+        return None
+
+    async def _start(self, kind: str, request: Any, grant: Grant | None = None) -> tuple[Any, Any]:
+        """Send the request to a replica (the granted one first, with dispatch) and wait for its first output.
 
         Nothing has been generated until then, so a replica that cannot take it (its engine
         stopped, the actor died) is not the client's problem: try another, a few times.
         """
         for attempt in range(_ATTEMPTS):
-            stream = self.worker_stream.generate.remote(kind, request, p.overrides(request))
+            stream = self.worker_stream.generate.remote(kind, request, p.overrides(request), grant)
             try:
                 first = await stream.__anext__()
                 if isinstance(first, RequestError):  # deployments.worker yields expected failures
@@ -264,6 +320,8 @@ class OpenAIIngress:
                 if attempt + 1 == _ATTEMPTS:
                     raise ReplicaUnavailable("no replica could take the request; retry shortly") from exc
                 logger.warning("replica unavailable (%s); retrying the request", type(exc).__name__)
+                if grant is not None:  # the granted replica failed it: Serve's router chooses the next
+                    grant = dataclasses.replace(grant, replica_id=None)
                 await asyncio.sleep(_RETRY_BACKOFF_S * 2**attempt)
             except BaseException:
                 stream.cancel()  # release the call, so the router's in-flight count for that replica drops

@@ -169,5 +169,23 @@ def overrides(request: Any) -> dict[str, Any] | None:
     return None if options is None else options.model_dump(exclude_none=True)
 
 
+_CHARS_PER_TOKEN = 4  # BPE vocabularies on English text; the dispatch queue needs an estimate, not a count
+
+
+def prompt_estimate(kind: str, request: Any) -> tuple[int, int | None]:
+    """(prompt tokens, max_tokens) as the ingress can tell without a tokenizer: token-id prompts exactly,
+    text at ~4 characters per token plus a few per chat turn for the template."""
+    if kind == "chat":
+        chars = sum(len(str(dict(m).get("content") or "")) + 4 * _CHARS_PER_TOKEN for m in request.messages)
+        limit = request.max_completion_tokens or request.max_tokens
+    else:
+        prompt = request.prompt[0] if isinstance(request.prompt, list) and len(request.prompt) == 1 \
+            and not isinstance(request.prompt[0], int) else request.prompt
+        if isinstance(prompt, list):
+            return len(prompt), request.max_tokens
+        chars, limit = len(str(prompt)), request.max_tokens
+    return max(1, chars // _CHARS_PER_TOKEN), limit
+
+
 def error_body(message: str, param: str | None, code: int = 400, kind: str = "BadRequestError") -> dict[str, Any]:
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()

@@ -11,6 +11,11 @@ replica is ranked from Serve's stats, and with neither it ranks last.
 
 Replicas are ranked by ``controller.laws.routing.expected_delay``. Serve keeps managing them (health,
 queue limits, retries): we only order them.
+
+With the controller's dispatch on, a request arrives here with its ``Grant`` (the fourth argument of
+``EntropicWorker.generate``): the granted replica goes first, the usual ranking after it, for when
+that replica refuses or has gone. ``GrantedPowerOfTwoRouter`` does the same in front of Serve's own
+power-of-two choice.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from controller.laws.routing import ReplicaLoad, rank
@@ -47,6 +53,29 @@ def replica_load(replica: RunningReplica, view: routing_view.ControllerView,
     return stats, ("replica_stats" if stats else "none")
 
 
+def granted_replica(candidates: list[RunningReplica], pending_request: PendingRequest | None) -> RunningReplica | None:
+    """The replica the controller granted this request, when it is still a candidate."""
+    args: list[Any] = pending_request.args if pending_request is not None else []
+    replica_id = getattr(args[3], "replica_id", None) if len(args) > 3 else None
+    if replica_id is None:
+        return None
+    return next((r for r in candidates if r.replica_id.unique_id == replica_id), None)
+
+
+class GrantedPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Serve's power-of-two router behind the controller's grant."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        chosen = granted_replica(candidate_replicas, pending_request)
+        if chosen is None:
+            return ranks
+        routing_view.record_decision("grant")
+        return [[chosen], *ranks]
+
+
 class SoonestServedRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._ongoing: dict[ReplicaID, int] = defaultdict(int)
@@ -69,6 +98,10 @@ class SoonestServedRouter(RequestRouter):
         loads = {r.replica_id: replica_load(r, routing_view.CONTROLLER_VIEW, wall) for r in shuffled}
         ranked = rank([(r, loads[r.replica_id][0], self._ongoing[r.replica_id],
                         self._reservations(r.replica_id, now)) for r in shuffled])
+        chosen = granted_replica(candidate_replicas, pending_request)
+        if chosen is not None:  # the controller's dispatch counted it already: no reservation
+            routing_view.record_decision("grant")
+            return [[chosen], *([r] for r in ranked if r is not chosen)]
         if ranked:
             self._reserved[ranked[0].replica_id].append(now + RESERVE_S)
             routing_view.record_decision(loads[ranked[0].replica_id][1])

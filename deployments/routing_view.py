@@ -19,8 +19,13 @@ STALE_AFTER_S = 2.0  # a load older than this is not a load: replicas report at 
 
 ROUTING_REGISTRY = CollectorRegistry(auto_describe=False)
 _DECISIONS = Counter("entropic_routing_decisions", "Requests routed, by where the chosen replica's load came from "
-                    "(controller, replica_stats: Serve's polled stats, none: nothing known)",
+                    "(controller, replica_stats: Serve's polled stats, none: nothing known; grant: the replica the "
+                    "controller's dispatch granted)",
                     ["source"], registry=ROUTING_REGISTRY)
+_ADMISSIONS = Counter("entropic_dispatch_admissions", "Requests this ingress asked the controller's queue for a "
+                      "replica, by outcome (controller: granted; fallback: the controller was unreachable or late, "
+                      "Serve's router chose; queue_full, deadline: shed with 503; too_large: no replica's KV cache "
+                      "holds its prompt, the engine judges it)", ["outcome"], registry=ROUTING_REGISTRY)
 
 
 class ControllerView:
@@ -57,6 +62,19 @@ def record_decision(source: str) -> None:
     _DECISIONS.labels(source=source).inc()
 
 
+for _outcome in ("controller", "fallback", "queue_full", "deadline", "too_large"):  # every series from the start
+    _ADMISSIONS.labels(outcome=_outcome)
+
+
+def record_admission(outcome: str) -> None:
+    _ADMISSIONS.labels(outcome=outcome).inc()
+
+
 def decision_counts() -> dict[str, float]:
     return {s.labels["source"]: s.value for m in ROUTING_REGISTRY.collect() for s in m.samples
-            if s.name.endswith("_total")}
+            if s.name == "entropic_routing_decisions_total"}
+
+
+def admission_counts() -> dict[str, float]:
+    return {s.labels["outcome"]: s.value for m in ROUTING_REGISTRY.collect() for s in m.samples
+            if s.name == "entropic_dispatch_admissions_total"}

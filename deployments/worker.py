@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from controller.messages import ControllerAnswer, TelemetryReport
+from controller.messages import ControllerAnswer, Grant, TelemetryReport
 from deployments.config import AppConfig
 from workers.engine import Delta
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
@@ -46,13 +46,15 @@ class EntropicWorker:
                                 controller=report if controller is not None else None, on_fatal=self._engine_failed,
                                 preload=("deployments.protocol",))
 
-    async def generate(self, kind: str, request: Any,
-                       overrides: dict[str, Any] | None) -> AsyncIterator[Delta | RequestError]:
+    async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None,
+                       grant: Grant | None = None) -> AsyncIterator[Delta | RequestError]:
         """The request's deltas; an expected failure (the client's mistake, an engine that stopped, one
         request failing inside the engine) is the last item, not raised: Serve logs every exception a
-        replica raises with its traceback at ERROR, which a client's 400 is not."""
+        replica raises with its traceback at ERROR, which a client's 400 is not. ``grant``: the
+        controller's dispatch of it (deployments.routing sends it to the granted replica; its key
+        names the request in this replica's telemetry)."""
         try:
-            async for delta in self.core.generate(kind, request, overrides):
+            async for delta in self.core.generate(kind, request, overrides, grant.key if grant else None):
                 yield delta
         except (InvalidRequest, ReplicaUnavailable, RequestFailed) as exc:
             yield exc

@@ -105,7 +105,24 @@ SERVING = [
         Panel("Routing decisions per second, by load source", {
             "{{source}}": f"sum by (source) (rate(entropic_routing_decisions_total[{RATE}]))"},
               description="controller: ranked from the controller's view; replica_stats: Serve's polled stats "
-                          "(controller down or late); none: nothing known"),
+                          "(controller down or late); none: nothing known; grant: the controller's dispatch chose"),
+    ]),
+    Row("Dispatch (the controller's cluster-wide queue; with dispatch on)", [
+        Panel("Queue length and oldest wait", {
+            "queued": "sum(entropic_dispatch_queue_length)",
+            "oldest wait (s)": "max(entropic_dispatch_queue_oldest_seconds)"}),
+        Panel("Wait in the queue until a grant", quantiles("entropic_dispatch_wait_seconds"), "s"),
+        Panel("Admissions per second, by outcome", {
+            "{{outcome}}": f"sum by (outcome) (rate(entropic_dispatch_admissions_total[{RATE}]))"}, "reqps",
+              description="controller: granted a replica; fallback: the controller was unreachable or late and "
+                          "Serve's router chose; queue_full, deadline: shed with 503"),
+        Panel("Shed per second, by reason", {
+            "{{reason}}": f"sum by (reason) (rate(entropic_dispatch_shed_total[{RATE}]))"}, "reqps"),
+        Panel("Where granted requests landed", {
+            "{{where}}": f"sum by (where) (rate(entropic_dispatch_landed_total[{RATE}]))"}, "reqps",
+              description="granted: on the replica the grant named; elsewhere: Serve sent it to another; unseen: "
+                          "no report showed it (finished between two reports)"),
+        Panel("Queue decision time", quantiles("entropic_dispatch_decision_seconds"), "s"),
     ]),
 ]
 

@@ -27,10 +27,14 @@ TEST_APP_CONFIG = {
                "enforce_eager": True},
     "telemetry_period_s": 0.05,
     "request_router": "soonest_served",  # the router the routing tests are about (Serve's is the default)
+    # New requests wait in the controller's queue for a replica (off by default): the path the dispatch tests
+    # are about, and Serve's router behind it whenever the controller is away
+    "dispatch": {"enabled": True, "max_queued": 8},
     "fault_injection": True,  # tests/test_reliability.py stops an engine loop from inside
-    # Small enough that tests/test_reliability.py can overload the application with one burst
+    # Small enough that tests/test_reliability.py can overload the application with one burst: the dispatch
+    # queue's max_queued above bounds what waits; Serve's queue behind it keeps its default (twice the batch
+    # slots), which a burst of grants (at most the free slots) never fills
     "max_ongoing_requests": 24,
-    "max_queued_requests": 8,
 }
 
 

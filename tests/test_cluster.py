@@ -63,21 +63,36 @@ def _routing(server) -> dict:
     return httpx.get(f"{server}/debug/routing", timeout=10).json()
 
 
-def test_a_burst_is_routed_from_the_controllers_view(server, client, served_model):
-    """Four requests at once on two idle replicas: the router ranks them from the controller's view
-    (not Serve's polled stats), reserving each choice, so the burst splits as the routing law says
-    for the replicas' measured speeds (2/2 when they are within ~12% of each other)."""
+def _dispatch(server) -> dict:
+    return httpx.get(f"{server}/debug/dispatch", timeout=10).json()
+
+
+def _controller_counter(server, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    wanted = [f'{k}="{v}"' for k, v in {**labels, "replica": "controller"}.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(w in line for w in wanted))
+
+
+def test_a_burst_is_dispatched_by_free_slots_and_lands_where_granted(server, client, served_model):
+    """Four requests at once on two idle replicas: each waits in the controller's queue for a grant, the
+    dispatch law spreads them by free slots and expected delay (2/2 when the replicas' measured speeds
+    are within ~12% of each other), the router sends each to its granted replica, and the replicas'
+    reports show every one of them there."""
     from controller.laws.routing import ReplicaLoad, rank
 
     deadline = time.time() + 30
     while len(_routing(server)["view"]["replicas"]) < 2 and time.time() < deadline:
         time.sleep(0.2)
     routing = _routing(server)
-    before = routing["decisions"].get("controller", 0)
+    granted_before = _dispatch(server)["admissions"].get("controller", 0)
+    routed_before = routing["decisions"].get("grant", 0)
+    landed_before = {w: _controller_counter(server, "entropic_dispatch_landed_total", where=w)
+                     for w in ("granted", "elsewhere")}
     loads = {r: ReplicaLoad(**{k: v for k, v in load.items() if k != "age_s"} | {"remaining": tuple(load["remaining"])})
              for r, load in routing["view"]["replicas"].items()}  # idle replicas: nothing changes it until the burst runs
     expected = dict.fromkeys(loads, 0)
-    for _ in range(4):
+    for _ in range(4):  # the law's expected delay, counting what it has granted there already
         expected[rank([(r, load, 0, expected[r]) for r, load in loads.items()])[0]] += 1
     earlier = {k for report in _debug(server).values() for k in report.get("sequences", {})}
 
@@ -95,7 +110,13 @@ def test_a_burst_is_routed_from_the_controllers_view(server, client, served_mode
             time.sleep(0.05)
         assert [f.result() for f in futures] == [60] * 4
     assert {r: len(keys) for r, keys in seen.items()} == expected, (seen, loads)
-    assert _routing(server)["decisions"]["controller"] - before >= 4
+    assert _dispatch(server)["admissions"]["controller"] - granted_before == 4
+    assert _routing(server)["decisions"]["grant"] - routed_before == 4
+    deadline = time.time() + 10  # the controller's series reach /metrics with its next merge
+    while _controller_counter(server, "entropic_dispatch_landed_total", where="granted") - landed_before["granted"] < 4:
+        assert time.time() < deadline, "the reports never showed the granted requests on their replicas"
+        time.sleep(0.5)
+    assert _controller_counter(server, "entropic_dispatch_landed_total", where="elsewhere") == landed_before["elsewhere"]
 
 
 @pytest.mark.disruptive
@@ -115,6 +136,7 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
         futures = [pool.submit(stream, i) for i in range(6)]
         time.sleep(1.0)
         fallback_before = _routing(server)["decisions"].get("replica_stats", 0)
+        fallback_admissions = _dispatch(server)["admissions"].get("fallback", 0)
         ray.kill(controller, no_restart=True)
         # Once the controller's view is stale, the router ranks replicas from Serve's polled stats.
         deadline = time.time() + 30
@@ -126,6 +148,8 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
         tokens = [f.result(timeout=300) for f in futures]
         assert meanwhile.result(timeout=300) == 5
     assert tokens == [60] * 6  # no request lost or cut short
+    # The request sent meanwhile found no controller to queue it: Serve's router placed it from the replicas' stats.
+    assert _dispatch(server)["admissions"]["fallback"] > fallback_admissions
     assert _routing(server)["decisions"]["replica_stats"] > fallback_before
 
     # Serve starts a new controller replica; telemetry and the merged metrics come back.
@@ -148,6 +172,8 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
     while (view := _routing(server)["view"])["polled_s_ago"] > 1.0 or len(view["replicas"]) < 2:
         assert time.time() < deadline, "the routing view did not come back after the controller restart"
         time.sleep(0.2)
-    via_controller = _routing(server)["decisions"].get("controller", 0)
+    granted = _dispatch(server)["admissions"].get("controller", 0)
+    via_grant = _routing(server)["decisions"].get("grant", 0)
     client.completions.create(model=served_model, prompt="And then", max_tokens=3)
-    assert _routing(server)["decisions"]["controller"] > via_controller
+    assert _dispatch(server)["admissions"]["controller"] > granted  # the new controller's queue dispatches it
+    assert _routing(server)["decisions"]["grant"] > via_grant

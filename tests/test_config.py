@@ -29,6 +29,8 @@ def test_defaults_serve_the_default_model():
     ({"sampling": {"estimator": "guess"}}, "sampling.estimator"),
     ({"sampling": {"t_min": 2.0, "t_max": 1.0}}, "sampling"),
     ({"no_such_option": 1}, "no_such_option"),
+    ({"dispatch": {"enabled": True}, "max_queued_requests": 8}, "max_queued_requests"),  # 8 < 16 batch slots
+    ({"dispatch": {"max_queued": 0}}, "dispatch.max_queued"),
 ])
 def test_invalid_values_name_the_field(raw, field):
     with pytest.raises(ValidationError) as info:

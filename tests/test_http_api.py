@@ -187,7 +187,9 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
                  "entropic_controller_loop_seconds_count", "entropic_kv_blocks_kept_ratio_count",
                  "entropic_attention_flops_saved_total", "entropic_kv_bytes_saved_total",
                  "entropic_pruning_selection_seconds_total", "entropic_grants_renewed_total",
-                 "entropic_grant_withheld_steps_total", "entropic_routing_decisions_total"):
+                 "entropic_grant_withheld_steps_total", "entropic_routing_decisions_total",
+                 "entropic_dispatch_admissions_total", "entropic_dispatch_queue_length",
+                 "entropic_dispatch_wait_seconds_count", "entropic_dispatch_landed_total"):
         assert _metric_values(text, name), name
     assert sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0
 

@@ -120,6 +120,12 @@ def test_ray_request_router_api_we_use_is_still_there():
     assert "on_send_request(replica.replica_id)" in inspect.getsource(
         importlib.import_module("ray.serve._private.router"))
     assert isinstance(inspect.getattr_static(RunningReplica, "routing_stats"), property)
+    # The grant is read from the request's positional arguments; GrantedPowerOfTwoRouter extends Serve's default.
+    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+    from ray.serve.request_router import PendingRequest
+
+    assert {"args", "kwargs", "metadata"} <= set(PendingRequest.__dataclass_fields__)
+    assert issubclass(PowerOfTwoChoicesRequestRouter, RequestRouter)
     # Serve pickles the router's module by value: why the shared view lives in deployments.routing_view.
     from ray.serve.config import RequestRouterConfig
 

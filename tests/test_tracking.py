@@ -27,6 +27,13 @@ def test_prior_before_the_first_drop():
     assert track.state(now=1.0, prior_drop=0.3, block_size=16).expected_drop == 0.3
 
 
+def test_without_entropy_terms_every_request_gets_the_prior():
+    track = SequenceTrack(arrival=0.0, last_progress=0.0, prompt_tokens=5, slo_s=30.0)
+    track.observe(delta([3.0, 1.0], 2), now=1.0, drop_weight=0.5)
+    assert track.state(now=1.0, prior_drop=0.3, block_size=16).expected_drop == pytest.approx(2.0)
+    assert track.state(now=1.0, prior_drop=0.3, block_size=16, entropy_terms=False).expected_drop == 0.3
+
+
 def test_remaining_work_is_the_output_budget_left():
     track = SequenceTrack(arrival=0.0, last_progress=0.0, prompt_tokens=5, slo_s=30.0, max_tokens=100)
     track.observe(delta([3.0, 1.0, 0.5], 30), now=1.0, drop_weight=0.5)

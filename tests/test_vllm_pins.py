@@ -6,6 +6,8 @@ Every touch of a vLLM internal, and where it is:
   .model_runner.input_batch.logitsprocs`` (checked at every engine start: EngineRunner raises if the
   processor is not found there; the scheduler path by ``test_inprocess_engine_object_path``);
   ``SamplingParams.verify``; ``VLLMClientError``.
+- ``workers/engine.py``: ``EngineRunner.kv_tokens`` reads ``Scheduler.kv_cache_manager.block_pool``
+  (``get_num_free_blocks``, ``num_gpu_blocks``) and ``Scheduler.block_size``.
 - ``workers/scheduler.py``: ``Scheduler`` internals (``_preempt_request``, ``running``, ``waiting``,
   ``PriorityRequestQueue._heap``, ``max_num_running_reqs``).
 - ``workers/sampling.py``: the logits-processor interface and ``BatchUpdate``.
@@ -73,6 +75,13 @@ def test_scheduler_internals_we_use():
                       "self.requests"):
         assert attribute in source, attribute
     assert "_heap" in inspect.getsource(PriorityRequestQueue.__init__)
+    # EngineRunner.kv_tokens: the KV headroom the controller's dispatch reads
+    assert "self.kv_cache_manager" in source and "self.block_size" in source
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    assert "self.block_pool" in inspect.getsource(KVCacheManager.__init__)
+    assert "self.num_gpu_blocks" in inspect.getsource(BlockPool.__init__) and hasattr(BlockPool, "get_num_free_blocks")
     assert "self.priority" in inspect.getsource(Request.__lt__)
 
 

@@ -99,10 +99,12 @@ class ReplicaCore:
         self.runner.shutdown()
 
     # --- requests ------------------------------------------------------------------------------
-    async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None = None) -> AsyncIterator[Delta]:
+    async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None = None,
+                       key: str | None = None) -> AsyncIterator[Delta]:
         """Serve one OpenAI request (``kind``: "chat" or "completion"; ``request``: vLLM's protocol model
         of it) with its ``entropic`` overrides. Client mistakes raise ``InvalidRequest`` before anything
-        reaches the engine."""
+        reaches the engine. ``key``: the request's key in telemetry (the one the controller dispatched it
+        under, so it can tell where it landed); a fresh one when None or already taken here."""
         from workers.prompts import prompt_token_ids, sampling_params
 
         if overrides and not self.config.telemetry:
@@ -118,7 +120,8 @@ class ReplicaCore:
         ids = prompt_token_ids(kind, request, self.runner.tokenizer)
         if not ids:
             raise InvalidRequest("the prompt is empty", "messages" if kind == "chat" else "prompt")
-        key = f"{kind}-{uuid.uuid4().hex}"
+        if key is None or key in self._active:
+            key = f"{kind}-{uuid.uuid4().hex}"
         params = sampling_params(kind, request, len(ids), self.runner.max_model_len, self.generation_defaults,
                                  control, key, pruning)
         self.runner.validate(params)
@@ -185,11 +188,14 @@ class ReplicaCore:
             return
         self._reported_active = bool(active)
         self._reported_step, self._reported_keys = step, frozenset(active)
-        states = {k: t.state(now, self.scheduling.prior_drop, self.block_size) for k, t in active.items()}
+        states = {k: t.state(now, self.scheduling.prior_drop, self.block_size, self.scheduling.entropy_terms)
+                  for k, t in active.items()}
+        kv_free, kv_total = self.runner.kv_tokens()
         report = TelemetryReport(
             replica_id=self.replica_id, node_id=self.node_id, sent_at=time.time(), sequences=states,
             summaries={k: t.summary(now) for k, t in active.items()}, load=self.load(),
             routing_stats_polls=self.routing_polls, leases=self.grants.leases() if self.grants is not None else None,
+            kv_free_tokens=kv_free, kv_total_tokens=kv_total,
             metrics=self.metrics.snapshot() if send_metrics else None)
         answer = None
         if self._controller is not None:

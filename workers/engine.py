@@ -159,6 +159,13 @@ class EngineRunner:
     def scheduler_counts(self) -> tuple[int, int]:
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
+    def kv_tokens(self) -> tuple[int, int]:
+        """(free, total) KV cache in tokens. Free blocks include cached prefixes no request holds: vLLM
+        evicts those for a new request, so they are room."""
+        scheduler = self.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        return pool.get_num_free_blocks() * scheduler.block_size, pool.num_gpu_blocks * scheduler.block_size
+
     # --- caller side -----------------------------------------------------------------
     def validate(self, params: Any) -> None:
         """vLLM's own checks of a request against this model (token ids in ``stop_token_ids``,

@@ -12,7 +12,7 @@ so everything ``workers.engine`` reads in place is still read in place.
 ``Delta``), ``info``, ``routing_stats``, ``health_problem``, ``inject_fault``. The child runs one
 ``ReplicaCore`` on an asyncio loop. Messages are pickled tuples on a duplex pipe:
 
-* parent → child: ``("generate", cid, kind, request, overrides)``, ``("cancel", cid)``,
+* parent → child: ``("generate", cid, kind, request, overrides, key)``, ``("cancel", cid)``,
   ``("call", cid, name)``, ``("answer", rid, ControllerAnswer | None)``, ``("stop",)``;
 * child → parent: ``("ready",)``, ``("start_failed", message)``, ``("delta", cid, Delta)``,
   ``("end", cid)``, ``("raise", cid, RequestError)``, ``("result", cid, ok, value)``,
@@ -130,7 +130,8 @@ class CoreProcess(_PipeEnd):
             raise RuntimeError(f"the engine process failed to start: {message[1]}")
 
     # --- calls ------------------------------------------------------------------------------------
-    async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None = None) -> AsyncIterator[Delta]:
+    async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None = None,
+                       key: str | None = None) -> AsyncIterator[Delta]:
         """``ReplicaCore.generate`` in the child: the same deltas, the same errors."""
         if self._gone is not None:
             raise ReplicaUnavailable("this replica's engine process has stopped; it is being replaced")
@@ -139,7 +140,7 @@ class CoreProcess(_PipeEnd):
         self._streams[cid] = queue
         ended = False
         try:
-            self._send(("generate", cid, kind, request, overrides))
+            self._send(("generate", cid, kind, request, overrides, key))
             while True:
                 tag, payload = await queue.get()
                 if tag == "delta":
@@ -302,8 +303,8 @@ class _Child(_PipeEnd):
     def _dispatch(self, message: tuple) -> None:
         tag = message[0]
         if tag == "generate":
-            _, cid, kind, request, overrides = message
-            self._tasks[cid] = self._loop.create_task(self._stream(cid, kind, request, overrides))
+            _, cid, kind, request, overrides, key = message
+            self._tasks[cid] = self._loop.create_task(self._stream(cid, kind, request, overrides, key))
         elif tag == "cancel":
             task = self._tasks.pop(message[1], None)
             if task is not None:
@@ -317,10 +318,11 @@ class _Child(_PipeEnd):
         elif tag == "stop":
             self._stopped.set()
 
-    async def _stream(self, cid: int, kind: str, request: Any, overrides: dict[str, Any] | None) -> None:
+    async def _stream(self, cid: int, kind: str, request: Any, overrides: dict[str, Any] | None,
+                      key: str | None) -> None:
         assert self.core is not None
         try:
-            async for delta in self.core.generate(kind, request, overrides):
+            async for delta in self.core.generate(kind, request, overrides, key):
                 self._send(("delta", cid, delta))
             self._send(("end", cid))
         except RequestError as exc:

@@ -41,10 +41,11 @@ class SequenceTrack:
         """Decode tokens it may still generate (R_s of π); 0 when its budget is unknown."""
         return 0.0 if self.max_tokens is None else float(max(0, self.max_tokens - self.generated))
 
-    def state(self, now: float, prior_drop: float, block_size: int) -> SequenceState:
+    def state(self, now: float, prior_drop: float, block_size: int, entropy_terms: bool = True) -> SequenceState:
+        """π's inputs now; without ``entropy_terms`` the expected entropy drop is the prior for everyone."""
         context = self.prompt_tokens + self.generated
         return SequenceState(
-            expected_drop=self.expected_drop if self.expected_drop is not None else prior_drop,
+            expected_drop=self.expected_drop if self.expected_drop is not None and entropy_terms else prior_drop,
             attended_tokens=float(context), kv_blocks=context / block_size,
             waited_s=max(0.0, now - self.last_progress), slo_s=self.slo_s,
             remaining_tokens=self.remaining_tokens())

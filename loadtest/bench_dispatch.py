@@ -1,0 +1,221 @@
+"""Benchmark: the controller's cluster-wide queue and dispatch against Serve's router, on the served app.
+
+The whole application runs as it is served (Ray Serve on this machine, two EntropicWorker replicas, the
+controller, the HTTP ingress); configurations differ only in how requests are placed and ordered:
+  A  Serve's power-of-two router, vLLM's FCFS scheduler in each replica (what a Ray Serve LLM user runs)
+  B  Serve's power-of-two router, π in each replica (scheduling on, dispatch off: today's default)
+  C  the controller's queue: requests wait there, highest π first, until a replica has a free slot
+     (dispatch on), π in each replica
+  D  C with π's entropy terms off (every request's expected entropy drop is the prior): what entropy adds
+Same seeded open-loop Poisson trace as the scheduling and routing benchmarks (short chat, long-context
+questions, free-form writing), sent over HTTP with the official OpenAI client, streamed so TTFT is
+measured at the client. Greedy, and every output ends at EOS or at a loose max_tokens (``LOOSE_MAX_TOKENS``,
+well above what the chat and long-context answers need): no output length is known in advance, so
+π's remaining-work term sees max_tokens, not the true length. Rounds alternate the order of the
+configurations; each run gets fresh replicas.
+
+    make bench-dispatch ARGS="--rate 0.6 --requests 60 --rounds 2"   (writes docs/results/dispatch.*)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics as st
+import sys
+import time
+
+from loadtest.bench_routing import _free_port, _served_split, deploy
+from loadtest.bench_scheduling import CLASSES, Job, latency_stats, make_trace
+from loadtest.machine import cpu_text
+
+LOOSE_MAX_TOKENS = {"chat": 256, "long_context": 128, "free_form": 512}
+CONFIGS = {
+    "A": {"request_router": "power_of_two", "scheduling": {"enabled": False}, "dispatch": {"enabled": False}},
+    "B": {"request_router": "power_of_two", "scheduling": {"enabled": True}, "dispatch": {"enabled": False}},
+    "C": {"request_router": "power_of_two", "scheduling": {"enabled": True}, "dispatch": {"enabled": True}},
+    "D": {"request_router": "power_of_two", "scheduling": {"enabled": True, "entropy_terms": False},
+          "dispatch": {"enabled": True}},
+}
+KEYS = ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "mean_tpot_s", "goodput_rps", "within_slo",
+        "shed", "wall_s", "max_send_lag_s")
+
+
+async def _one(client, model: str, job: Job, start: float) -> dict:
+    await asyncio.sleep(max(0.0, job.arrival - (time.monotonic() - start)))
+    sent = time.monotonic() - start
+    first, chunks = None, 0
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": job.prompt}], max_tokens=LOOSE_MAX_TOKENS[job.kind],
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        tokens = 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.monotonic() - start
+                chunks += 1
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # shed (503) or failed: counted, not timed
+        return {"rid": job.rid, "kind": job.kind, "error": type(exc).__name__, "sent": sent, "arrival": job.arrival}
+    done = time.monotonic() - start
+    ttft = (first or done) - job.arrival
+    return {"rid": job.rid, "kind": job.kind, "arrival": job.arrival, "sent": sent, "ttft": ttft,
+            "e2e": done - job.arrival, "tokens": tokens,
+            "tpot": (done - job.arrival - ttft) / (tokens - 1) if tokens > 1 else None}
+
+
+async def run_trace(base: str, jobs: list[Job]) -> dict:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", timeout=600, max_retries=0) as client:
+        model = (await client.models.list()).data[0].id
+        start = time.monotonic()
+        rows = await asyncio.gather(*(_one(client, model, j, start) for j in jobs))
+        wall = time.monotonic() - start
+    served = [r for r in rows if "error" not in r]
+    e2e = sorted(r["e2e"] for r in served)
+    tpots = [r["tpot"] for r in served if r["tpot"] is not None]
+    return {**latency_stats([(r["kind"], r["e2e"], r["ttft"]) for r in served], wall),
+            "p50_e2e_s": st.median(e2e), "mean_tpot_s": st.mean(tpots) if tpots else 0.0,
+            "shed": len(rows) - len(served), "errors": sorted({r["error"] for r in rows if "error" in r}),
+            "output_tokens": {r["rid"]: r["tokens"] for r in served},
+            "max_send_lag_s": max(r["sent"] - r["arrival"] for r in rows)}
+
+
+def decision_cost(queued: int, replicas: int, repeats: int = 200) -> dict:
+    """Seconds the controller spends deciding its whole queue once (``Dispatcher.decide``) with ``queued``
+    requests waiting on ``replicas`` full replicas: what bounds its decisions per second. In-process, the
+    code that serves, with reports built here."""
+    from prometheus_client import CollectorRegistry
+
+    from controller.config import DispatchConfig, SchedulingConfig
+    from controller.dispatcher import Dispatcher
+    from controller.laws.priority import SequenceState
+    from controller.laws.routing import ReplicaLoad
+    from controller.messages import Admission, TelemetryReport
+
+    async def run() -> list[float]:
+        d = Dispatcher(DispatchConfig(enabled=True, max_queued=queued + 1), SchedulingConfig(), CollectorRegistry())
+        state = SequenceState(expected_drop=0.3, attended_tokens=100, kv_blocks=2, waited_s=0, slo_s=30)
+        for r in range(replicas):
+            d.observe(TelemetryReport(
+                replica_id=f"r{r}", node_id="n", sent_at=time.time(), sequences={f"s{r}-{i}": state for i in range(16)},
+                summaries={}, load=ReplicaLoad(running=16, waiting=0, max_num_seqs=16, step_s=0.05, unit_step_s=0.03),
+                routing_stats_polls=0, leases=None, kv_free_tokens=10_000, kv_total_tokens=100_000))
+        for i in range(queued):
+            d.enqueue(Admission(key=f"q{i}", prompt_tokens=100 + i, max_tokens=64 + i, max_wait_s=600))
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            d.decide()
+            times.append(time.perf_counter() - started)
+        return times
+
+    times = sorted(asyncio.run(run()))
+    return {"queued": queued, "replicas": replicas, "median_s": st.median(times), "p90_s": times[int(0.9 * len(times))]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=0.6, help="Poisson arrival rate, requests/s")
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=4, help="per replica")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="docs/results/dispatch")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from loadtest.machine import publish
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base_config = {"num_replicas": 2, "num_cpus_per_replica": 1,
+                   "engine": {"max_model_len": 4096, "max_num_seqs": args.max_num_seqs, "cpu_threads": 1,
+                              "kv_cache_space_gib": 1}}
+    costs = [decision_cost(q, r) for q, r in ((16, 2), (256, 2), (256, 16), (1024, 64))]
+    print(f"decision cost: {costs}", file=sys.stderr, flush=True)
+    jobs = make_trace(args.requests, args.rate, args.seed)
+    warm = make_trace(4, 100.0, 99)
+    results: dict[str, list[dict]] = {c: [] for c in args.configs}
+    try:
+        for r in range(args.rounds):
+            order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
+            for name in order:
+                serve.delete("entropic")  # fresh replicas for every run: no warm state carried across configurations
+                base = deploy({**base_config, **CONFIGS[name]}, port)
+                asyncio.run(run_trace(base, warm))
+                time.sleep(2.0)  # replicas send their metrics to the controller once a second
+                before = _served_split(base)
+                x = asyncio.run(run_trace(base, jobs))
+                time.sleep(2.0)
+                after = _served_split(base)
+                x["split"] = sorted(after.get(k, 0.0) - before.get(k, 0.0) for k in after)
+                results[name].append(x)
+                print(f"round {r + 1}/{args.rounds} {name} mean e2e {x['mean_e2e_s']:.2f}s p99 {x['p99_e2e_s']:.2f}s "
+                      f"TTFT {x['mean_ttft_s']:.2f}s goodput {x['goodput_rps']:.3f}/s shed {x['shed']} "
+                      f"split {x['split']}", file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    summary = {n: {k: st.median(x[k] for x in xs) for k in KEYS} for n, xs in results.items()}
+    ratios = {}
+    for a, b in (("C", "A"), ("C", "B"), ("D", "C"), ("B", "A")):
+        if a in results and b in results:
+            ratios[f"{a}/{b}"] = {k: [x[k] / y[k] if y[k] else None for x, y in zip(results[a], results[b])]
+                                  for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
+    publish("loadtest.bench_dispatch", argv, args.out,
+            {"settings": vars(args), "classes": CLASSES, "loose_max_tokens": LOOSE_MAX_TOKENS, "configs": CONFIGS,
+             "median": summary, "ratios": ratios, "decision_cost": costs,
+             "rounds": {n: [{k: v for k, v in x.items() if k != "output_tokens"} | {
+                 "mean_output_tokens": st.mean(x["output_tokens"].values()) if x["output_tokens"] else 0}
+                 for x in xs] for n, xs in results.items()}},
+            _markdown)
+    return 0
+
+
+def _markdown(result: dict) -> str:
+    m, s = result["machine"], result["settings"]
+    lines = [
+        "# Dispatch: the controller's cluster-wide queue vs Serve's router, on the served app", "",
+        f"Command: `{result['command']}` (run {result['date']})", "",
+        f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, "
+        f"vllm {m['vllm']}. Ray Serve on this machine: two worker replicas (1 engine thread each, max_num_seqs "
+        f"{s['max_num_seqs']}), controller, HTTP ingress; requests over HTTP (streamed).", "",
+        f"{s['requests']} requests at {s['rate']} req/s (seed {s['seed']}), greedy, outputs end at EOS or at a loose "
+        "max_tokens (" + ", ".join(f"{k} {v}" for k, v in result["loose_max_tokens"].items()) + "); SLO per class: "
+        + ", ".join(f"{k} {v[1]} s" for k, v in result["classes"].items())
+        + f". Fresh replicas per run; medians over {s['rounds']} rounds (order rotated).", "",
+        "Configurations: " + "; ".join(f"{k}: `{v}`" for k, v in result["configs"].items() if k in result["median"]), "",
+        "| config | mean e2e (s) | p50 e2e | p99 e2e | mean TTFT | mean TPOT (ms) | goodput (req/s in SLO) | "
+        "within SLO | shed | requests per replica (each round) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in result["median"].items():
+        splits = "; ".join("/".join(f"{v:.0f}" for v in x["split"]) for x in result["rounds"][name])
+        lines.append(f"| {name} | {row['mean_e2e_s']:.2f} | {row['p50_e2e_s']:.2f} | {row['p99_e2e_s']:.2f} | "
+                     f"{row['mean_ttft_s']:.2f} | {1000 * row['mean_tpot_s']:.0f} | {row['goodput_rps']:.3f} | "
+                     f"{100 * row['within_slo']:.0f}% | {row['shed']:.0f} | {splits} |")
+    lines += ["", "Ratios per round (median [min-max]):", ""]
+    for pair, by_metric in result["ratios"].items():
+        cells = []
+        for metric, values in by_metric.items():
+            vals = [v for v in values if v is not None]
+            if vals:
+                cells.append(f"{metric} {st.median(vals):.2f}x [{min(vals):.2f}-{max(vals):.2f}]")
+        lines.append(f"- {pair}: " + ", ".join(cells))
+    lines += ["", "The controller deciding its whole queue once (`Dispatcher.decide`, all replicas full, in-process): "
+              + "; ".join(f"{c['queued']} queued x {c['replicas']} replicas: {1e6 * c['median_s']:.0f} µs median "
+                          f"({1e6 * c['p90_s']:.0f} p90)" for c in result["decision_cost"]) + ".", ""]
+    lines += ["", "Mean output tokens per request (each round): " + "; ".join(
+        f"{n}: " + ", ".join(f"{x['mean_output_tokens']:.0f}" for x in xs) for n, xs in result["rounds"].items()), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
