@@ -25,7 +25,11 @@ class SchedulingConfig(BaseModel):
     drop_ewma: float = Field(0.2, gt=0, le=1, description="EWMA weight of dH+ in E[dH]")
     prior_drop: float = Field(0.3, ge=0, description="E[dH] (nats/token) assumed before a request's first token")
     entropy_terms: bool = Field(True, description="false: E[dH] is prior_drop for every request, so π orders by "
-                                "cost, slack, remaining work and aging alone (the no-entropy baseline)")
+                                "cost, slack, remaining work and aging alone, and the remaining-work predictor has "
+                                "no entropy features (the no-entropy baseline)")
+    predict_remaining: bool = Field(True, description="the controller learns remaining work from finished requests "
+                                    "and uses it for π, routing and dispatch once it beats max_tokens minus generated "
+                                    "on held-out requests; false, or until then: max_tokens minus generated")
     preempt_margin: float | None = Field(
         None, ge=1, description="π ratio a waiting request needs to preempt a running one; None: no priority "
         "preemption (vLLM still preempts the lowest π under KV pressure)")

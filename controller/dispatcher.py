@@ -51,8 +51,10 @@ class _Replica:
 
 class Dispatcher:
     def __init__(self, config: DispatchConfig, scheduling: SchedulingConfig, registry: CollectorRegistry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 remaining: Callable[[int, int | None], float] | None = None) -> None:
         self._config = config
+        self._remaining = remaining  # (prompt tokens, max_tokens) -> predicted output tokens; None: the budget
         self._weights = scheduling.weights()
         self._slo_s = scheduling.slo_s
         self._prior_drop = scheduling.prior_drop
@@ -164,7 +166,10 @@ class Dispatcher:
     def _queued_request(self, entry: _Waiting, now: float) -> QueuedRequest:
         a = entry.admission
         waited = now - entry.arrived
-        remaining = a.max_tokens if a.max_tokens is not None else self._weights.remaining_cap_tokens
+        if self._remaining is not None:
+            remaining = self._remaining(a.prompt_tokens, a.max_tokens)
+        else:
+            remaining = a.max_tokens if a.max_tokens is not None else self._weights.remaining_cap_tokens
         state = SequenceState(expected_drop=self._prior_drop, attended_tokens=float(a.prompt_tokens),
                               kv_blocks=a.prompt_tokens / _QUEUE_BLOCK_TOKENS, waited_s=waited, slo_s=self._slo_s,
                               remaining_tokens=float(remaining))

@@ -47,6 +47,7 @@ class TelemetryReport:
     leases: dict[str, int] | None  # decode steps left per request key (grants on), else None
     kv_free_tokens: int  # KV cache free now (cached prefixes nobody holds count as free), in tokens
     kv_total_tokens: int  # the whole KV cache, in tokens
+    finished: dict[str, int]  # key -> tokens generated, of requests that ended (EOS, stop, max_tokens) since the last report
     metrics: list[Any] | None = None  # the replica's Prometheus metric families, once a second
 
 

@@ -24,6 +24,7 @@ from controller.laws.grants import to_renew
 from controller.laws.priority import priorities
 from controller.messages import Admission, ControllerAnswer, RoutingView, TelemetryReport, as_json
 from controller.metrics_merge import merge_families
+from controller.predictor import RemainingWorkPredictor
 
 _STALE_AFTER_S = 30.0
 
@@ -51,7 +52,11 @@ class EntropyController:
                                buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1), registry=self._registry)
         self._report_count = Counter("entropic_telemetry_reports", "Telemetry reports received from replicas",
                                      registry=self._registry)
-        self._dispatcher = (Dispatcher(dispatch, self._scheduling, self._registry)
+        self._predictor = (RemainingWorkPredictor(self._registry, entropy=self._scheduling.entropy_terms,
+                                                  cap_tokens=self._scheduling.remaining_cap_tokens)
+                           if self._scheduling.predict_remaining else None)
+        self._dispatcher = (Dispatcher(dispatch, self._scheduling, self._registry,
+                                       remaining=self._predictor.queued if self._predictor is not None else None)
                             if dispatch is not None and dispatch.enabled else None)
 
     def report(self, report: TelemetryReport) -> ControllerAnswer:
@@ -65,7 +70,17 @@ class EntropyController:
         lag = max(0.0, now - report.sent_at)
         self._lag.observe(lag)
         self._report_count.inc()
-        states = {k: dataclasses.replace(s, waited_s=s.waited_s + lag) for k, s in report.sequences.items()}
+        predicted: dict[str, float] = {}
+        if self._predictor is not None:
+            self._predictor.observe(report)
+            if self._predictor.chosen != "budget":
+                predicted = {k: self._predictor.remaining(self._predictor.snapshot(s)) for k, s in report.summaries.items()}
+                cap = self._scheduling.remaining_cap_tokens
+                report = dataclasses.replace(report, load=dataclasses.replace(report.load, remaining=tuple(
+                    min(predicted[k], cap) for k, s in report.summaries.items() if s.generated)))
+        states = {k: dataclasses.replace(s, waited_s=s.waited_s + lag,
+                                         remaining_tokens=predicted.get(k, s.remaining_tokens))
+                  for k, s in report.sequences.items()}
         pi = priorities(states, self._weights)
         granted = tuple(to_renew(pi, self._grant_policy)) if self._grant_policy is not None else None
         answer = ControllerAnswer(priorities=pi, granted=granted)
@@ -86,7 +101,10 @@ class EntropyController:
             self._dispatcher.withdraw(key, future)
 
     def dispatch_view(self) -> dict[str, Any]:
-        return self._dispatcher.snapshot() if self._dispatcher is not None else {"enabled": False}
+        view: dict[str, Any] = self._dispatcher.snapshot() if self._dispatcher is not None else {"enabled": False}
+        if self._predictor is not None:
+            view["remaining_work"] = self._predictor.stats()
+        return view
 
     def _live(self) -> dict[str, _Heard]:
         cutoff = time.time() - _STALE_AFTER_S

@@ -6,7 +6,8 @@ controller, the HTTP ingress); configurations differ only in how requests are pl
   B  Serve's power-of-two router, π in each replica (scheduling on, dispatch off: today's default)
   C  the controller's queue: requests wait there, highest π first, until a replica has a free slot
      (dispatch on), π in each replica
-  D  C with π's entropy terms off (every request's expected entropy drop is the prior): what entropy adds
+  D  C with π's entropy terms off (every request's expected entropy drop is the prior, and the
+     remaining-work predictor has no entropy features): what entropy adds
 Same seeded open-loop Poisson trace as the scheduling and routing benchmarks (short chat, long-context
 questions, free-form writing), sent over HTTP with the official OpenAI client, streamed so TTFT is
 measured at the client. Greedy, and every output ends at EOS or at a loose max_tokens (``LOOSE_MAX_TOKENS``,
@@ -101,7 +102,7 @@ def decision_cost(queued: int, replicas: int, repeats: int = 200) -> dict:
             d.observe(TelemetryReport(
                 replica_id=f"r{r}", node_id="n", sent_at=time.time(), sequences={f"s{r}-{i}": state for i in range(16)},
                 summaries={}, load=ReplicaLoad(running=16, waiting=0, max_num_seqs=16, step_s=0.05, unit_step_s=0.03),
-                routing_stats_polls=0, leases=None, kv_free_tokens=10_000, kv_total_tokens=100_000))
+                routing_stats_polls=0, leases=None, kv_free_tokens=10_000, kv_total_tokens=100_000, finished={}))
         for i in range(queued):
             d.enqueue(Admission(key=f"q{i}", prompt_tokens=100 + i, max_tokens=64 + i, max_wait_s=600))
         times = []
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/results/dispatch")
     args = parser.parse_args(argv)
 
+    import httpx
     import ray
     from ray import serve
 
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(2.0)
                 after = _served_split(base)
                 x["split"] = sorted(after.get(k, 0.0) - before.get(k, 0.0) for k in after)
+                x["remaining_work"] = httpx.get(f"{base}/debug/dispatch", timeout=30).json().get("remaining_work")
                 results[name].append(x)
                 print(f"round {r + 1}/{args.rounds} {name} mean e2e {x['mean_e2e_s']:.2f}s p99 {x['p99_e2e_s']:.2f}s "
                       f"TTFT {x['mean_ttft_s']:.2f}s goodput {x['goodput_rps']:.3f}/s shed {x['shed']} "
@@ -212,6 +215,15 @@ def _markdown(result: dict) -> str:
     lines += ["", "The controller deciding its whole queue once (`Dispatcher.decide`, all replicas full, in-process): "
               + "; ".join(f"{c['queued']} queued x {c['replicas']} replicas: {1e6 * c['median_s']:.0f} µs median "
                           f"({1e6 * c['p90_s']:.0f} p90)" for c in result["decision_cost"]) + ".", ""]
+    lines += ["", "Remaining-work predictor at the end of each run (model in use; held-out mean absolute error in "
+              "tokens of the budget, max_tokens minus generated, and of the fitted models; finished requests it "
+              "learnt from, warm-up included):", ""]
+    for n, xs in result["rounds"].items():
+        for i, x in enumerate(xs):
+            rw = x.get("remaining_work") or {}
+            errors = ", ".join(f"{k} {v:.0f}" for k, v in rw.get("held_out_mae_tokens", {}).items())
+            lines.append(f"- {n} round {i + 1}: {rw.get('model')} ({errors or 'too few held-out samples'}; "
+                         f"{rw.get('finished_requests')} finished)")
     lines += ["", "Mean output tokens per request (each round): " + "; ".join(
         f"{n}: " + ", ".join(f"{x['mean_output_tokens']:.0f}" for x in xs) for n, xs in result["rounds"].items()), ""]
     return "\n".join(lines)

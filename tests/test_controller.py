@@ -26,7 +26,8 @@ def _report(replica: str, **sequences: SequenceState) -> TelemetryReport:
     load = ReplicaLoad(running=len(sequences), waiting=0, max_num_seqs=4, step_s=0.05, unit_step_s=0.04,
                        remaining=tuple(s.remaining_tokens for s in sequences.values()))
     return TelemetryReport(replica_id=replica, node_id="n", sent_at=time.time(), sequences=sequences, summaries={},
-                           load=load, routing_stats_polls=0, leases=None, kv_free_tokens=4096, kv_total_tokens=8192)
+                           load=load, routing_stats_polls=0, leases=None, kv_free_tokens=4096, kv_total_tokens=8192,
+                           finished={})
 
 
 def test_the_controller_grants_leases_to_the_highest_priorities_of_each_replica():

@@ -23,7 +23,7 @@ def _report(replica: str, running: list[str], capacity: int = 2, kv_free: int = 
     return TelemetryReport(
         replica_id=replica, node_id="n", sent_at=time.time(), sequences=dict.fromkeys(running, state), summaries={},
         load=ReplicaLoad(running=len(running), waiting=0, max_num_seqs=capacity, step_s=0.05, unit_step_s=0.04),
-        routing_stats_polls=0, leases=None, kv_free_tokens=kv_free, kv_total_tokens=200_000)
+        routing_stats_polls=0, leases=None, kv_free_tokens=kv_free, kv_total_tokens=200_000, finished={})
 
 
 def _admission(key: str, max_tokens: int = 64, waited: float = 0.0, max_wait: float = 30.0,

@@ -79,6 +79,7 @@ class ReplicaCore:
         self._weights = self.scheduling.weights()
         self._controller = controller
         self._active: dict[str, SequenceTrack] = {}
+        self._finished: dict[str, int] = {}  # key -> tokens generated, ended at EOS/stop/length since the last report
         self._priorities: dict[str, tuple[float, str]] = {}
         self._preemptions_seen = 0
         self._reported_active = False
@@ -130,6 +131,8 @@ class ReplicaCore:
         try:
             async for delta in self.runner.generate(key, {"prompt_token_ids": ids}, params, len(ids)):
                 track.observe(delta, time.monotonic(), self.scheduling.drop_ewma)
+                if delta.finish_reason in ("stop", "length"):  # how long it really was: the predictor's label
+                    self._finished[key] = delta.completion_tokens
                 yield delta
         finally:
             self._active.pop(key, None)
@@ -188,6 +191,7 @@ class ReplicaCore:
             return
         self._reported_active = bool(active)
         self._reported_step, self._reported_keys = step, frozenset(active)
+        finished, self._finished = self._finished, {}
         states = {k: t.state(now, self.scheduling.prior_drop, self.block_size, self.scheduling.entropy_terms)
                   for k, t in active.items()}
         kv_free, kv_total = self.runner.kv_tokens()
@@ -195,7 +199,7 @@ class ReplicaCore:
             replica_id=self.replica_id, node_id=self.node_id, sent_at=time.time(), sequences=states,
             summaries={k: t.summary(now) for k, t in active.items()}, load=self.load(),
             routing_stats_polls=self.routing_polls, leases=self.grants.leases() if self.grants is not None else None,
-            kv_free_tokens=kv_free, kv_total_tokens=kv_total,
+            kv_free_tokens=kv_free, kv_total_tokens=kv_total, finished=finished,
             metrics=self.metrics.snapshot() if send_metrics else None)
         answer = None
         if self._controller is not None:
