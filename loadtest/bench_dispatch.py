@@ -25,9 +25,9 @@ import statistics as st
 import sys
 import time
 
-from loadtest.bench_routing import _free_port, _served_split, deploy
 from loadtest.bench_scheduling import CLASSES, Job, latency_stats, make_trace
 from loadtest.machine import cpu_text
+from loadtest.served_app import ServedApp, replay
 
 LOOSE_MAX_TOKENS = {"chat": 256, "long_context": 128, "free_form": 512}
 CONFIGS = {
@@ -66,13 +66,7 @@ async def _one(client, model: str, job: Job, start: float) -> dict:
 
 
 async def run_trace(base: str, jobs: list[Job]) -> dict:
-    from openai import AsyncOpenAI
-
-    async with AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", timeout=600, max_retries=0) as client:
-        model = (await client.models.list()).data[0].id
-        start = time.monotonic()
-        rows = await asyncio.gather(*(_one(client, model, j, start) for j in jobs))
-        wall = time.monotonic() - start
+    rows, wall = await replay(base, jobs, _one)
     served = [r for r in rows if "error" not in r]
     e2e = sorted(r["e2e"] for r in served)
     tpots = [r["tpot"] for r in served if r["tpot"] is not None]
@@ -128,43 +122,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import httpx
-    import ray
-    from ray import serve
 
     from loadtest.machine import publish
 
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base_config = {"num_replicas": 2, "num_cpus_per_replica": 1,
-                   "engine": {"max_model_len": 4096, "max_num_seqs": args.max_num_seqs, "cpu_threads": 1,
-                              "kv_cache_space_gib": 1}}
     costs = [decision_cost(q, r) for q, r in ((16, 2), (256, 2), (256, 16), (1024, 64))]
     print(f"decision cost: {costs}", file=sys.stderr, flush=True)
     jobs = make_trace(args.requests, args.rate, args.seed)
-    warm = make_trace(4, 100.0, 99)
     results: dict[str, list[dict]] = {c: [] for c in args.configs}
-    try:
+    with ServedApp(args.max_num_seqs) as app:
         for r in range(args.rounds):
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             for name in order:
-                serve.delete("entropic")  # fresh replicas for every run: no warm state carried across configurations
-                base = deploy({**base_config, **CONFIGS[name]}, port)
-                asyncio.run(run_trace(base, warm))
-                time.sleep(2.0)  # replicas send their metrics to the controller once a second
-                before = _served_split(base)
-                x = asyncio.run(run_trace(base, jobs))
-                time.sleep(2.0)
-                after = _served_split(base)
-                x["split"] = sorted(after.get(k, 0.0) - before.get(k, 0.0) for k in after)
-                x["remaining_work"] = httpx.get(f"{base}/debug/dispatch", timeout=30).json().get("remaining_work")
+                x = app.measure(CONFIGS[name], lambda base: run_trace(base, jobs))
+                x["remaining_work"] = httpx.get(f"{x.pop('base')}/debug/dispatch", timeout=30).json().get(
+                    "remaining_work")
                 results[name].append(x)
                 print(f"round {r + 1}/{args.rounds} {name} mean e2e {x['mean_e2e_s']:.2f}s p99 {x['p99_e2e_s']:.2f}s "
                       f"TTFT {x['mean_ttft_s']:.2f}s goodput {x['goodput_rps']:.3f}/s shed {x['shed']} "
                       f"split {x['split']}", file=sys.stderr, flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
     summary = {n: {k: st.median(x[k] for x in xs) for k in KEYS} for n, xs in results.items()}
     ratios = {}

@@ -19,20 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 import time
 
 from loadtest.bench_scheduling import CLASSES, Job, latency_stats, make_trace, median_summary
 from loadtest.machine import cpu_text
+from loadtest.served_app import ServedApp, replay
 
 ROUTERS = ("power_of_two", "soonest_served")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _one(client, model: str, job: Job, start: float) -> dict:
@@ -53,52 +47,10 @@ async def _one(client, model: str, job: Job, start: float) -> dict:
 
 
 async def run_trace(base: str, jobs: list[Job]) -> dict:
-    from openai import AsyncOpenAI
-
-    async with AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", timeout=600, max_retries=0) as client:
-        model = (await client.models.list()).data[0].id
-        start = time.monotonic()
-        rows = await asyncio.gather(*(_one(client, model, j, start) for j in jobs))
-        wall = time.monotonic() - start
+    rows, wall = await replay(base, jobs, _one)
     return {**latency_stats([(r["kind"], r["e2e"], r["ttft"]) for r in rows], wall),
             "max_send_lag_s": max(r["sent"] - r["arrival"] for r in rows),
             "texts": {r["rid"]: r["text"] for r in rows}}
-
-
-def _served_split(base: str) -> dict[str, float]:
-    """Requests each worker replica has finished so far (vLLM's own counter, per replica label)."""
-    import re
-
-    import httpx
-
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            found = re.search(r'replica="([^"]+)"', line)
-            replica = found.group(1) if found else "?"
-            out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def deploy(config: dict, port: int) -> str:
-    import httpx
-    from ray import serve
-
-    from deployments.app import build_app
-
-    serve.run(build_app(config), name="entropic", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=30).status_code == 200:
-                return base
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            raise RuntimeError("the application never became healthy")
-        time.sleep(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,40 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/results/routing")
     args = parser.parse_args(argv)
 
-    import ray
-    from ray import serve
-
     from loadtest.machine import publish
 
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base_config = {"num_replicas": 2, "num_cpus_per_replica": 1,
-                   "engine": {"max_model_len": 4096, "max_num_seqs": args.max_num_seqs, "cpu_threads": 1,
-                              "kv_cache_space_gib": 1},
-                   "scheduling": {"enabled": not args.fcfs}}
     jobs = make_trace(args.requests, args.rate, args.seed)
-    warm = make_trace(4, 100.0, 99)
     results: dict[str, list[dict]] = {r: [] for r in ROUTERS}
-    try:
+    with ServedApp(args.max_num_seqs) as app:
         for r in range(args.rounds):
             for router in ROUTERS[r % 2:] + ROUTERS[:r % 2]:
-                serve.delete("entropic")  # fresh replicas for every run: no warm state carried across routers
-                base = deploy({**base_config, "request_router": router}, port)
-                asyncio.run(run_trace(base, warm))
-                time.sleep(2.0)  # replicas send their metrics to the controller once a second
-                before = _served_split(base)
-                x = asyncio.run(run_trace(base, jobs))
-                time.sleep(2.0)  # replicas send their metrics to the controller once a second
-                after = _served_split(base)
-                x["split"] = sorted(after.get(k, 0.0) - before.get(k, 0.0) for k in after)
+                x = app.measure({"request_router": router, "scheduling": {"enabled": not args.fcfs}},
+                                lambda base: run_trace(base, jobs))
                 results[router].append(x)
                 print(f"round {r + 1}/{args.rounds} {router:14s} mean e2e {x['mean_e2e_s']:.2f}s "
                       f"p99 {x['p99_e2e_s']:.2f}s TTFT {x['mean_ttft_s']:.2f}s goodput {x['goodput_rps']:.3f}/s "
                       f"split {x['split']}", file=sys.stderr)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
     a, b = ROUTERS
     same = [sum(x["texts"][k] == y["texts"][k] for k in x["texts"]) / len(x["texts"])
