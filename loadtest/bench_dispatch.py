@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             for name in order:
                 x = app.measure(CONFIGS[name], lambda base: run_trace(base, jobs))
-                x["remaining_work"] = httpx.get(f"{x.pop('base')}/debug/dispatch", timeout=30).json().get(
-                    "remaining_work")
+                view = httpx.get(f"{x.pop('base')}/debug/dispatch", timeout=30).json()
+                x["remaining_work"] = (view.get("controller") or {}).get("remaining_work")
+                x["admissions"] = view["admissions"]  # by outcome: how many the controller placed, shed or missed
                 results[name].append(x)
                 print(f"round {r + 1}/{args.rounds} {name} mean e2e {x['mean_e2e_s']:.2f}s p99 {x['p99_e2e_s']:.2f}s "
                       f"TTFT {x['mean_ttft_s']:.2f}s goodput {x['goodput_rps']:.3f}/s shed {x['shed']} "
@@ -197,8 +198,10 @@ def _markdown(result: dict) -> str:
         for i, x in enumerate(xs):
             rw = x.get("remaining_work") or {}
             errors = ", ".join(f"{k} {v:.0f}" for k, v in rw.get("held_out_mae_tokens", {}).items())
+            placed = ", ".join(f"{k} {v:.0f}" for k, v in (x.get("admissions") or {}).items() if v)
             lines.append(f"- {n} round {i + 1}: {rw.get('model')} ({errors or 'too few held-out samples'}; "
-                         f"{rw.get('finished_requests')} finished)")
+                         f"{rw.get('finished_requests')} finished); admissions by outcome: "
+                         f"{placed or 'none (dispatch off)'}")
     lines += ["", "Mean output tokens per request (each round): " + "; ".join(
         f"{n}: " + ", ".join(f"{x['mean_output_tokens']:.0f}" for x in xs) for n, xs in result["rounds"].items()), ""]
     return "\n".join(lines)
