@@ -86,6 +86,7 @@ def test_a_burst_is_dispatched_by_free_slots_and_lands_where_granted(server, cli
         time.sleep(0.2)
     routing = _routing(server)
     granted_before = _dispatch(server)["admissions"].get("controller", 0)
+    learnt_before = _dispatch(server)["controller"]["remaining_work"]["finished_requests"]
     routed_before = routing["decisions"].get("grant", 0)
     landed_before = {w: _controller_counter(server, "entropic_dispatch_landed_total", where=w)
                      for w in ("granted", "elsewhere")}
@@ -117,6 +118,11 @@ def test_a_burst_is_dispatched_by_free_slots_and_lands_where_granted(server, cli
         assert time.time() < deadline, "the reports never showed the granted requests on their replicas"
         time.sleep(0.5)
     assert _controller_counter(server, "entropic_dispatch_landed_total", where="elsewhere") == landed_before["elsewhere"]
+    # Each replica reported the four as finished with their lengths: the remaining-work predictor learnt from them
+    deadline = time.time() + 10
+    while _dispatch(server)["controller"]["remaining_work"]["finished_requests"] - learnt_before < 4:
+        assert time.time() < deadline, _dispatch(server)["controller"]["remaining_work"]
+        time.sleep(0.5)
 
 
 @pytest.mark.disruptive

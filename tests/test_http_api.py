@@ -189,7 +189,8 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
                  "entropic_pruning_selection_seconds_total", "entropic_grants_renewed_total",
                  "entropic_grant_withheld_steps_total", "entropic_routing_decisions_total",
                  "entropic_dispatch_admissions_total", "entropic_dispatch_queue_length",
-                 "entropic_dispatch_wait_seconds_count", "entropic_dispatch_landed_total"):
+                 "entropic_dispatch_wait_seconds_count", "entropic_dispatch_landed_total",
+                 "entropic_remaining_work_model"):
         assert _metric_values(text, name), name
     assert sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0
 
