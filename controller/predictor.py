@@ -30,6 +30,7 @@ from controller.messages import SequenceSummary, TelemetryReport
 
 _SNAPSHOT_AT = (0, 1, 4, 16, 64, 256, 1024, 4096)  # tokens generated
 _HOLD_OUT_ONE_IN = 5
+_MAX_TRACKED = 100_000  # running requests followed at once, cluster-wide
 
 
 @dataclass(slots=True)
@@ -77,10 +78,9 @@ class RemainingWorkPredictor:
         # What vanished without an end (aborted, failed, or its replica's report was lost) teaches nothing.
         for gone in [k for k in self._tracked if k[0] == replica and k[1] not in report.summaries]:
             del self._tracked[gone]
-
-    def forget_replica(self, replica: str) -> None:
-        for gone in [k for k in self._tracked if k[0] == replica]:
-            del self._tracked[gone]
+        # A replica that stopped reporting (replaced) leaves its requests here: bound them, oldest out first.
+        while len(self._tracked) > _MAX_TRACKED:
+            del self._tracked[next(iter(self._tracked))]
 
     def _learn(self, key: str, snapshots: Iterable[WorkSnapshot], generated: int) -> None:
         held_out = zlib.crc32(key.encode()) % _HOLD_OUT_ONE_IN == 0
