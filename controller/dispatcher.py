@@ -17,9 +17,10 @@ reports rebuild the slot accounting. Asyncio, one event loop, no Ray.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -46,7 +47,6 @@ class _Waiting:
 class _Replica:
     report: TelemetryReport
     heard: float
-    in_flight: dict[str, float] = field(default_factory=dict)  # key -> granted at
 
 
 class Dispatcher:
@@ -121,8 +121,6 @@ class Dispatcher:
         for key in report.sequences.keys() & self._granted.keys():
             granted_to, _ = self._granted.pop(key)
             self._landed.labels(where="granted" if granted_to == report.replica_id else "elsewhere").inc()
-            if granted_to in self._replicas:
-                self._replicas[granted_to].in_flight.pop(key, None)
         if self._queue:
             self._decide_soon()
 
@@ -144,14 +142,14 @@ class Dispatcher:
         now = self._clock()
         self._expire(now)
         live = {rid: r for rid, r in self._replicas.items() if now - r.heard <= self._config.stale_after_s}
-        slots = {rid: ReplicaSlots(load=r.report.load, in_flight=len(r.in_flight),
+        in_flight = collections.Counter(rid for rid, _ in self._granted.values())
+        slots = {rid: ReplicaSlots(load=r.report.load, in_flight=in_flight[rid],
                                    kv_free_tokens=r.report.kv_free_tokens, kv_total_tokens=r.report.kv_total_tokens)
                  for rid, r in live.items()}
         queue = [self._queued_request(entry, now) for entry in self._queue.values()]
         decision = dispatch(queue, slots, now)
         for key, rid in decision.assigned:
             entry = self._queue.pop(key)
-            live[rid].in_flight[key] = now
             self._granted[key] = (rid, now)
             self._wait.observe(now - entry.arrived)
             self._close(entry, Grant(key=key, replica_id=rid, waited_s=now - entry.arrived))
@@ -179,12 +177,10 @@ class Dispatcher:
     def _expire(self, now: float) -> None:
         """Grants the replicas' reports never showed stop counting against their slots after in_flight_s."""
         horizon = now - self._config.in_flight_s
-        for key, (rid, at) in list(self._granted.items()):
+        for key, (_, at) in list(self._granted.items()):
             if at < horizon:
                 del self._granted[key]
                 self._landed.labels(where="unseen").inc()
-                if rid in self._replicas:
-                    self._replicas[rid].in_flight.pop(key, None)
         for rid, replica in list(self._replicas.items()):
             if now - replica.heard > 10 * self._config.stale_after_s:
                 del self._replicas[rid]  # gone for good (replaced): its state would only grow
@@ -203,8 +199,11 @@ class Dispatcher:
     def snapshot(self) -> dict[str, Any]:
         """The queue and the slot accounting as JSON (/debug/dispatch)."""
         now = self._clock()
+        granted: dict[str, list[str]] = collections.defaultdict(list)
+        for key, (rid, _) in self._granted.items():
+            granted[rid].append(key)
         return {"queue": [{"key": e.admission.key, "waited_s": now - e.arrived,
                            "prompt_tokens": e.admission.prompt_tokens} for e in self._queue.values()],
-                "replicas": {rid: {"heard_s_ago": now - r.heard, "in_flight": sorted(r.in_flight),
+                "replicas": {rid: {"heard_s_ago": now - r.heard, "in_flight": sorted(granted[rid]),
                                    "running": r.report.load.running, "waiting": r.report.load.waiting,
                                    "kv_free_tokens": r.report.kv_free_tokens} for rid, r in self._replicas.items()}}
