@@ -30,7 +30,7 @@ from controller.messages import SequenceSummary, TelemetryReport
 
 _SNAPSHOT_AT = (0, 1, 4, 16, 64, 256, 1024, 4096)  # tokens generated
 _HOLD_OUT_ONE_IN = 5
-_MAX_TRACKED = 100_000  # running requests followed at once, cluster-wide
+_MAX_REPLICAS = 1024  # replicas whose running requests are followed at once
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class RemainingWorkPredictor:
         self._min_samples = min_samples
         self._refit_every = refit_every
         self._since_fit = 0
-        self._tracked: dict[tuple[str, str], _Tracked] = {}
+        self._tracked: dict[str, dict[str, _Tracked]] = {}  # replica -> request key -> its snapshots
         self._weights: list[float] | None = None
         self._with_entropy = False
         self.chosen = "budget"
@@ -60,26 +60,30 @@ class RemainingWorkPredictor:
                             ["model"], registry=registry)
         self._used = Gauge("entropic_remaining_work_model", "1 for the remaining-work model in use",
                            ["model"], registry=registry)
+        self._publish_choice()
+
+    def _publish_choice(self) -> None:
         for model in ("budget", "base", "entropy"):
             self._used.labels(model=model).set(1.0 if model == self.chosen else 0.0)
 
     # --- learning --------------------------------------------------------------------------------
     def observe(self, report: TelemetryReport) -> None:
-        replica = report.replica_id
+        mine = self._tracked.setdefault(report.replica_id, {})
         for key, summary in report.summaries.items():
-            tracked = self._tracked.setdefault((replica, key), _Tracked([], 0))
+            tracked = mine.setdefault(key, _Tracked([], 0))
             while tracked.next_at < len(_SNAPSHOT_AT) and summary.generated >= _SNAPSHOT_AT[tracked.next_at]:
                 if not tracked.snapshots or tracked.snapshots[-1].generated != summary.generated:
                     tracked.snapshots.append(self.snapshot(summary))
                 tracked.next_at += 1
         for key, generated in report.finished.items():
-            if (replica, key) in self._tracked:
-                self._learn(key, self._tracked.pop((replica, key)).snapshots, generated)
+            if key in mine:
+                self._learn(key, mine.pop(key).snapshots, generated)
         # What vanished without an end (aborted, failed, or its replica's report was lost) teaches nothing.
-        for gone in [k for k in self._tracked if k[0] == replica and k[1] not in report.summaries]:
-            del self._tracked[gone]
-        # A replica that stopped reporting (replaced) leaves its requests here: bound them, oldest out first.
-        while len(self._tracked) > _MAX_TRACKED:
+        for gone in mine.keys() - report.summaries.keys():
+            del mine[gone]
+        # A replaced replica stops reporting and leaves its requests here: drop the longest-silent replicas.
+        self._tracked[report.replica_id] = self._tracked.pop(report.replica_id)  # most recently heard last
+        while len(self._tracked) > _MAX_REPLICAS:
             del self._tracked[next(iter(self._tracked))]
 
     def _learn(self, key: str, snapshots: Iterable[WorkSnapshot], generated: int) -> None:
@@ -104,8 +108,7 @@ class RemainingWorkPredictor:
         self._weights, self._with_entropy = fitted[self.chosen] if self.chosen != "budget" else (None, False)
         for model, error in self.errors.items():
             self._error.labels(model=model).set(error)
-        for model in ("budget", "base", "entropy"):
-            self._used.labels(model=model).set(1.0 if model == self.chosen else 0.0)
+        self._publish_choice()
 
     # --- predicting ------------------------------------------------------------------------------
     def snapshot(self, s: SequenceSummary) -> WorkSnapshot:
