@@ -279,6 +279,23 @@ def _engine_pids() -> dict[str, int]:
     return pids
 
 
+def test_engine_processes_hold_cores_of_their_own(server):
+    """workers.cpu_cores: each engine process runs on cores no other engine holds and never on the lowest
+    core, which stays with Serve's proxy and replicas; an engine that found no free core floats."""
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = []
+    for pid in _engine_pids().values():
+        per_thread = {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
+        assert len(per_thread) == 1, per_thread  # the whole process, threads started later included
+        held = per_thread.pop()
+        if held != tuple(cores):
+            pinned.append(held)
+    held_cores = [core for held in pinned for core in held]
+    assert len(held_cores) == len(set(held_cores)) and cores[0] not in held_cores, pinned
+    if len(cores) >= 2:
+        assert pinned, "no engine process pinned although a core was free"
+
+
 def _pid_alive(pid: int) -> bool:
     """A zombie counts as gone: it has exited, only its parent has not collected it yet."""
     try:

@@ -39,6 +39,9 @@ class EngineConfig(BaseModel):
     seed: int = 0
     kv_cache_space_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE in GiB (CPU only)")
     cpu_threads: int = Field(1, ge=1, description="OpenMP threads of each replica's engine (CPU only)")
+    pin_cores: bool = Field(True, description="CPU only: each engine process takes cpu_threads cores of its node "
+                            "for itself, never the lowest one, which stays with the serving path "
+                            "(workers/cpu_cores.py); False, or too few free cores: the engine floats")
     extra: dict[str, Any] = Field(default_factory=dict, description="more vllm EngineArgs, passed as given")
 
     @field_validator("extra")

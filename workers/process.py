@@ -39,7 +39,8 @@ from controller.laws.routing import ReplicaLoad
 from controller.messages import ControllerAnswer, TelemetryReport
 from workers.config import ReplicaConfig
 from workers.core import ControllerLink, ReplicaCore
-from workers.engine import Delta, name_os_thread
+from workers.cpu_cores import CoreClaim, pin_engine_process
+from workers.engine import Delta, configure_process_env, name_os_thread
 from workers.errors import ReplicaUnavailable, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -261,11 +262,23 @@ def run_child(conn: Any, config: ReplicaConfig, replica_id: str, node_id: str, w
     """Entry point of the engine process, named ``engine-<replica id>`` for ``ps``, ``top`` and ``py-spy``."""
     name_os_thread(f"engine-{replica_id}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    claim = _pin(config)  # held until the process exits
     try:
         asyncio.run(_Child(conn, with_controller).serve(config, replica_id, node_id, preload))
     finally:
+        if claim is not None:
+            claim.release()
         # Skip interpreter teardown: the engine's threads and vLLM's exit hooks have nothing left to save.
         os._exit(0)
+
+
+def _pin(config: ReplicaConfig) -> CoreClaim | None:
+    if not config.engine.pin_cores:
+        return None
+    configure_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)  # before torch is imported
+    import torch
+
+    return None if torch.cuda.is_available() else pin_engine_process(config.engine.cpu_threads)
 
 
 class _Child(_PipeEnd):

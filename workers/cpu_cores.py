@@ -1,0 +1,97 @@
+"""Cores an engine process takes for itself on a CPU node, so that the serving path never preempts it.
+
+Why: on CPU the engine's step is one thread (or ``cpu_threads`` OpenMP threads) that is busy the whole
+time the replica has work. Left to float, it shares its core with whatever wakes up next to it (Serve's
+proxy and replica event loops, which wake once per streamed delta); each wake-up preempts a step. vLLM's
+own CPU worker pins itself and leaves a core to its API server; pinned the same way, our engine thread
+stopped losing that time (docs/results/README.md, the serve rows).
+
+Each engine process claims ``count`` cores among those its process may run on (``sched_getaffinity``:
+the container's cpuset, or a ``taskset`` around the server) by holding a lock file per core for as long
+as it lives: the kernel drops the lock when the process exits, however it exits, so a replaced replica's
+cores are free again at once. The lowest ``reserve`` cores are never claimed, so the serving path and
+Ray keep a core to run on. When too few cores are free (more engines than cores), the process stays
+unpinned, as before, and says so in the log: oversubscribed engines are better off floating than
+stacked on one pinned core.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def default_lock_dir() -> Path:
+    # Per node and per user: replicas of one node see the same directory, a pod sees its own /tmp.
+    return Path(tempfile.gettempdir()) / f"entropic-cores-{os.getuid()}"
+
+
+@dataclass
+class CoreClaim:
+    """Cores held by this process; the claim lasts while the object (its open lock files) lives."""
+
+    cores: tuple[int, ...]
+    _fds: list[int] = field(default_factory=list, repr=False)
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # closing the only descriptor drops its flock
+        self._fds.clear()
+
+
+def claim_cores(count: int, *, reserve: int = 1, allowed: set[int] | None = None,
+                lock_dir: Path | None = None) -> CoreClaim | None:
+    """Take ``count`` free cores from the top of ``allowed`` (default: this process's affinity), leaving
+    its lowest ``reserve`` cores unclaimed; None when fewer than ``count`` are free."""
+    candidates = sorted(os.sched_getaffinity(0) if allowed is None else allowed)[reserve:]
+    directory = lock_dir or default_lock_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    claim = CoreClaim(())
+    taken: list[int] = []
+    for core in reversed(candidates):  # the highest first: Ray and the serving path start on the lowest
+        if len(taken) == count:
+            break
+        fd = os.open(directory / f"core-{core}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        claim._fds.append(fd)
+        taken.append(core)
+    if len(taken) < count:
+        claim.release()
+        return None
+    claim.cores = tuple(sorted(taken))
+    return claim
+
+
+def pin_this_process(cores: tuple[int, ...]) -> None:
+    """Every thread of this process, and so every thread it starts later, runs on ``cores`` only."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
+def pin_engine_process(count: int, reserve: int = 1) -> CoreClaim | None:
+    """Claim and pin for this engine process; None (and a log line) when it stays unpinned."""
+    try:
+        claim = claim_cores(count, reserve=reserve)
+    except OSError as exc:  # no writable temporary directory: serve unpinned rather than not at all
+        logger.warning("engine process %d stays unpinned: %s", os.getpid(), exc)
+        return None
+    if claim is None:
+        logger.warning("engine process %d stays unpinned: fewer than %d of its cores %s are free beyond the %d "
+                       "left to the serving path (more engine threads than cores)", os.getpid(), count,
+                       sorted(os.sched_getaffinity(0)), reserve)
+        return None
+    pin_this_process(claim.cores)
+    logger.info("engine process %d pinned to cores %s", os.getpid(), list(claim.cores))
+    return claim
