@@ -31,6 +31,7 @@ class SequenceSummary:
     mean_entropy: float
     age_s: float  # since arrival
     idle_s: float  # since its last token
+    stop_prob: float | None = None  # probability mass on its stop tokens (EOS included) at its latest step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

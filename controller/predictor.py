@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,10 @@ _HOLD_OUT_ONE_IN = 5
 _MAX_REPLICAS = 1024  # replicas whose running requests are followed at once
 
 
+def _one_in_five(key: str) -> bool:
+    return zlib.crc32(key.encode()) % _HOLD_OUT_ONE_IN == 0
+
+
 @dataclass(slots=True)
 class _Tracked:
     snapshots: list[WorkSnapshot]
@@ -41,8 +45,12 @@ class _Tracked:
 
 class RemainingWorkPredictor:
     def __init__(self, registry: CollectorRegistry, entropy: bool = True, cap_tokens: float = 512.0,
-                 window: int = 4000, min_samples: int = 30, refit_every: int = 8) -> None:
+                 window: int = 4000, min_samples: int = 30, refit_every: int = 8,
+                 held_out: Callable[[str], bool] | None = None) -> None:
+        """``held_out(key)``: whether a request's samples only measure error (default: one key in five,
+        by hash); benchmarks pass their own to cross-validate."""
         self._entropy = entropy
+        self._is_held_out = held_out or _one_in_five
         self._cap = cap_tokens
         self._train: deque[tuple[WorkSnapshot, float]] = deque(maxlen=window)
         self._held_out: deque[tuple[WorkSnapshot, float]] = deque(maxlen=window // _HOLD_OUT_ONE_IN)
@@ -87,15 +95,17 @@ class RemainingWorkPredictor:
             del self._tracked[next(iter(self._tracked))]
 
     def _learn(self, key: str, snapshots: Iterable[WorkSnapshot], generated: int) -> None:
-        held_out = zlib.crc32(key.encode()) % _HOLD_OUT_ONE_IN == 0
+        held_out = self._is_held_out(key)
         for s in snapshots:
             (self._held_out if held_out else self._train).append((s, float(max(0, generated - s.generated))))
         self.finished += 1
         self._since_fit += 1
         if self._since_fit >= self._refit_every and len(self._held_out) >= self._min_samples:
-            self._refit()
+            self.refit()
 
-    def _refit(self) -> None:
+    def refit(self) -> None:
+        """Fit both models on the training window and choose by held-out error (every ``refit_every``
+        finished requests on its own)."""
         self._since_fit = 0
         train, held_out = list(self._train), list(self._held_out)
         self.errors = {"budget": mean_abs_error(held_out, None)}
@@ -116,7 +126,8 @@ class RemainingWorkPredictor:
         return WorkSnapshot(prompt_tokens=s.prompt_tokens, budget_left=self._budget(s.max_tokens, s.generated),
                             generated=s.generated, mean_entropy=s.mean_entropy if seen else None,
                             last_entropy=s.last_entropy if seen else None,
-                            expected_drop=s.expected_drop if seen else None)
+                            expected_drop=s.expected_drop if seen else None,
+                            stop_prob=s.stop_prob if seen else None)
 
     def _budget(self, max_tokens: int | None, generated: int) -> float:
         return float(max(0, max_tokens - generated)) if max_tokens is not None else self._cap

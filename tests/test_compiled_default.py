@@ -108,3 +108,15 @@ def test_routing_step_time_comes_from_decode_steps_only(core):
     assert any(flag for *_, flag in seen), "no step was flagged decode-only"
     slowest_prefill = max(step_s for step_s, *_ in first_tokens)
     assert core.metrics.recent_unit_step_s < slowest_prefill, (core.metrics.recent_unit_step_s, slowest_prefill)
+
+
+def test_deltas_carry_the_stop_token_mass_that_ends_the_request(core):
+    """The remaining-work predictor's stop feature (workers.sampling): the mass on the request's stop
+    tokens at each step, high at the step where greedy decoding picks EOS."""
+    deltas, = _run(core, [{"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 64, "temperature": 0}])
+    assert deltas[-1].finish_reason == "stop", "the greedy answer did not end at EOS within 64 tokens"
+    stops = [d.stop_prob for d in deltas if d.token_ids]
+    assert all(p is not None and 0.0 <= p <= 1.0 for p in stops), stops
+    # greedy picked EOS at the last step, so EOS had the most mass there; before, another token had more
+    assert stops[-1] > 0.2 and stops[-1] > max(stops[:-1]), stops

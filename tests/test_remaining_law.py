@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from controller.laws.remaining import WorkSnapshot, _solve, fit, mean_abs_error, predict
 
 
-def _requests(n: int, seed: int, entropy_matters: bool) -> list[tuple[WorkSnapshot, float]]:
+def _requests(n: int, seed: int, entropy_matters: bool, stop_matters: bool = False) -> list[tuple[WorkSnapshot, float]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -21,11 +21,14 @@ def _requests(n: int, seed: int, entropy_matters: bool) -> list[tuple[WorkSnapsh
         generated = rng.randint(0, 40)
         mean_h = rng.uniform(0.2, 3.0) if generated else None
         last_h = rng.uniform(0.0, 4.0) if generated else None
+        stop = math.exp(rng.uniform(math.log(1e-4), math.log(0.5))) if generated else None
         log_rest = 2.0 + 0.3 * math.log1p(prompt) + (0.8 * (mean_h or 0.0) if entropy_matters else 0.0)
+        if stop_matters and stop is not None:  # the end is near when the stop tokens gather mass
+            log_rest -= 0.5 * math.log(1e-4 + stop) + 4.0
         rest = min(max_tokens - generated, math.expm1(log_rest))
         out.append((WorkSnapshot(prompt_tokens=prompt, budget_left=max_tokens - generated, generated=generated,
                                  mean_entropy=mean_h, last_entropy=last_h, expected_drop=None if mean_h is None
-                                 else 0.1 * mean_h), rest))
+                                 else 0.1 * mean_h, stop_prob=stop), rest))
     return out
 
 
@@ -46,12 +49,18 @@ def test_entropy_features_help_when_length_depends_on_entropy_and_cost_little_wh
             assert with_entropy < 1.2 * base + 1.0
 
 
+def test_the_stop_token_mass_helps_when_the_end_shows_in_it():
+    train, held_out = _requests(400, 4, False, stop_matters=True), _requests(200, 5, False, stop_matters=True)
+    base = mean_abs_error(held_out, fit(train, entropy=False), entropy=False)
+    assert mean_abs_error(held_out, fit(train, entropy=True), entropy=True) < 0.7 * base
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 9000), st.floats(0, 5000), st.integers(0, 5000), st.one_of(st.none(), st.floats(0, 10)),
-       st.lists(st.floats(-5, 5), min_size=8, max_size=8))
-def test_a_prediction_is_never_negative_nor_beyond_the_budget(prompt, budget, generated, h, weights):
+       st.one_of(st.none(), st.floats(0, 1)), st.lists(st.floats(-5, 5), min_size=9, max_size=9))
+def test_a_prediction_is_never_negative_nor_beyond_the_budget(prompt, budget, generated, h, stop, weights):
     s = WorkSnapshot(prompt_tokens=prompt, budget_left=budget, generated=generated, mean_entropy=h, last_entropy=h,
-                     expected_drop=h)
+                     expected_drop=h, stop_prob=stop)
     assert 0.0 <= predict(weights, s, entropy=True) <= budget
     assert 0.0 <= predict(weights[:4], s, entropy=False) <= budget
 

@@ -124,3 +124,17 @@ def test_requests_without_our_args_are_ignored():
     lp.update_state(update(added=[(0, SamplingParams(temperature=0.7), None, [])]))
     z = torch.randn(1, VOCAB)
     assert torch.equal(lp.apply(z.clone()), z)
+
+
+def test_stop_mass_is_the_probability_of_the_requests_stop_tokens_in_the_recorded_distribution():
+    lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+    args = SamplingControl(enabled=False).request_args("s", 0.5)
+    stopping = SamplingParams(temperature=0.5, stop_token_ids=[3, 7], extra_args=args.into(None))
+    stopping.update_from_generation_config({}, eos_token_id=11)  # as vLLM's input processor does
+    lp.update_state(update(added=[(0, stopping, None, []), (1, params("n", 1.0), None, [])]))
+    logits = torch.randn(2, VOCAB)
+    lp.apply(logits.clone())
+    expected = torch.softmax(logits[0] / 0.5, -1)[[3, 7, 11]].sum()  # not controlled: its own temperature
+    assert lp.stop_prob("s") == pytest.approx(float(expected), rel=1e-5)
+    assert lp.stop_prob("n") is None  # no stop token: nothing to read
+    assert lp.stop_prob("unknown") is None

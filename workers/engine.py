@@ -76,6 +76,7 @@ class Delta:
     mean_entropy: float
     entropy_variance: float
     kv_blocks: list[tuple[int, int]] = field(default_factory=list)  # (kept, total) per pruned-path decode step
+    stop_prob: float | None = None  # probability mass on stop tokens at the latest step (telemetry)
 
 
 @dataclass
@@ -360,6 +361,7 @@ class EngineRunner:
             mean_entropy=stream.trace.mean,
             entropy_variance=stream.trace.variance,
             kv_blocks=kv_blocks,
+            stop_prob=self.processor.stop_prob(stream.key) if self.processor is not None else None,
         )
         if output.finished:
             self._streams.pop(output.request_id, None)

@@ -58,6 +58,8 @@ class _RequestState:
     observe_temperature: float
     output_ids: list[int]
     t_next: float
+    stop_ids: tuple[int, ...] = ()  # EOS and the request's stop token ids (vLLM's all_stop_token_ids)
+    stop_prob: float | None = None  # mass on stop_ids at the latest position: how likely the request ends now
     pruning: dict[str, Any] | None = None  # read by workers.pruned_attention through workers.pruning_state
     t_cur: float = 0.0
     pos: int = -1
@@ -75,6 +77,7 @@ class _RequestState:
             topk=args.topk, ema_alpha=args.ema_alpha, t_cal=args.t_cal,
             greedy=greedy, observe_temperature=1.0 if greedy else float(params.temperature),
             output_ids=output_ids, t_next=args.t0, pruning=args.pruning,
+            stop_ids=tuple(sorted(params.all_stop_token_ids)),
         )
 
     def begin_position(self) -> None:
@@ -131,6 +134,10 @@ class EntropicLogitsProcessor(LogitsProcessor):
     def records(self, key: str) -> list[tuple[float, float]]:
         state = self._by_key.get(key)
         return state.records if state is not None else []
+
+    def stop_prob(self, key: str) -> float | None:
+        state = self._by_key.get(key)
+        return state.stop_prob if state is not None else None
 
     def forget(self, key: str) -> None:
         self._by_key.pop(key, None)
@@ -190,11 +197,28 @@ class EntropicLogitsProcessor(LogitsProcessor):
                 sel = torch.tensor(members, device=logits.device)
                 entropy.index_copy_(0, sel, estimate(scaled.index_select(0, sel), est, k))
         values = entropy.tolist()
+        self._record_stop_mass(scaled, states)
         self.estimator_seconds += time.perf_counter() - started
 
         for state, h in zip(states, values):
             state.record(h)
         return logits
+
+    @staticmethod
+    def _record_stop_mass(scaled: torch.Tensor, states: list[_RequestState]) -> None:
+        """p(stop token) per row of ``scaled`` [rows, vocab] (the distribution whose entropy is recorded):
+        a feature of the controller's remaining-work predictor."""
+        vocab = scaled.shape[1]
+        row_of = [j for j, s in enumerate(states) for t in s.stop_ids if t < vocab]
+        if not row_of:
+            return
+        ids = [t for s in states for t in s.stop_ids if t < vocab]
+        rows = torch.tensor(row_of, device=scaled.device)
+        log_norm = torch.logsumexp(scaled.float(), dim=-1)  # [rows]
+        picked = (scaled[rows, torch.tensor(ids, device=scaled.device)].float() - log_norm[rows]).exp()
+        mass = torch.zeros(len(states), device=scaled.device).index_add_(0, rows, picked).tolist()
+        for j in set(row_of):
+            states[j].stop_prob = mass[j]
 
 
 def apply_moves(rows: dict[int, Any], batch_update: BatchUpdate) -> None:

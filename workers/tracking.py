@@ -24,6 +24,7 @@ class SequenceTrack:
     temperature: float | None = None
     tau: float = 0.0
     mean_entropy: float = 0.0
+    stop_prob: float | None = None
 
     def observe(self, delta, now: float, drop_weight: float) -> None:
         for drop in positive_drops(delta.entropy, self.last_entropy)[(0 if self.last_entropy is not None else 1):]:
@@ -32,6 +33,8 @@ class SequenceTrack:
             self.last_entropy = delta.entropy[-1]
         if delta.temperature:
             self.temperature = delta.temperature[-1]
+        if delta.stop_prob is not None:
+            self.stop_prob = delta.stop_prob
         self.generated = delta.completion_tokens
         self.tau, self.mean_entropy = delta.entropic_time, delta.mean_entropy
         if delta.token_ids:
@@ -54,7 +57,8 @@ class SequenceTrack:
         return SequenceSummary(
             prompt_tokens=self.prompt_tokens, generated=self.generated, max_tokens=self.max_tokens,
             expected_drop=self.expected_drop, last_entropy=self.last_entropy, temperature=self.temperature,
-            tau=self.tau, mean_entropy=self.mean_entropy, age_s=now - self.arrival, idle_s=now - self.last_progress)
+            tau=self.tau, mean_entropy=self.mean_entropy, age_s=now - self.arrival, idle_s=now - self.last_progress,
+            stop_prob=self.stop_prob)
 
 
 class PriorityBoard:

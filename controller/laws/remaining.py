@@ -10,8 +10,9 @@ on features of a snapshot of the request:
 
 * base: 1, log(1 + prompt tokens), log(1 + budget left), log(1 + generated);
 * entropy (with ``entropy=True``): the request's mean token entropy so far, its last token's
-  entropy, and E[ΔH⁺] (the EWMA of entropy drops that π's numerator uses). Before the first token
-  they are 0, with an indicator that says so.
+  entropy, E[ΔH⁺] (the EWMA of entropy drops that π's numerator uses), and log(10⁻⁴ + the
+  probability mass on its stop tokens at its latest step), read from the same distribution. Before
+  the first token they are 0, with an indicator that says so.
 
 A prediction is exp(ŷ) − 1 clipped to [0, budget left]. Fitting solves the ridge normal equations
 (a few features: plain Gaussian elimination). Pure math: no Ray, no vLLM, no numpy.
@@ -22,6 +23,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+_STOP_FLOOR = 1e-4  # stop-token mass below this reads the same: far from the end
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkSnapshot:
@@ -31,13 +34,15 @@ class WorkSnapshot:
     mean_entropy: float | None  # None before the first token
     last_entropy: float | None
     expected_drop: float | None
+    stop_prob: float | None = None
 
 
 def features(s: WorkSnapshot, entropy: bool) -> list[float]:
     row = [1.0, math.log1p(s.prompt_tokens), math.log1p(max(0.0, s.budget_left)), math.log1p(s.generated)]
     if entropy:
         seen = s.mean_entropy is not None
-        row += [1.0 if seen else 0.0, s.mean_entropy or 0.0, s.last_entropy or 0.0, s.expected_drop or 0.0]
+        row += [1.0 if seen else 0.0, s.mean_entropy or 0.0, s.last_entropy or 0.0, s.expected_drop or 0.0,
+                math.log(_STOP_FLOOR + s.stop_prob) if seen and s.stop_prob is not None else 0.0]
     return row
 
 
