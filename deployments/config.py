@@ -32,6 +32,8 @@ class AppConfig(ReplicaConfig):
         None, ge=-1, description="requests waiting in Serve's queue for a worker replica, per ingress replica; "
         "past it, 503 with Retry-After. None: twice the engines' batch slots (2 x engine.max_num_seqs x replicas, "
         "max_replicas with autoscaling); -1: unbounded")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM (deployments.server), how long requests "
+                                   "in flight may run on while new ones get 503, before Serve shuts down")
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body the ingress reads; "
                                    "larger ones get 413")
     num_cpus_per_replica: float = Field(1.0, ge=0)

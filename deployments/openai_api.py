@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller.messages import Admission, Grant
 from deployments import protocol as p
 from deployments.config import AppConfig
+from deployments.drain import DrainMiddleware
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ _RETRY_BACKOFF_S = 0.2  # doubled after each failed try: a failed replica leaves
 _RETRY_AFTER_S = 5
 _HEALTH_TIMEOUT_S = 2.0
 app = FastAPI(title="entropic-serve", description="OpenAI-compatible API with entropy control")
+app.add_middleware(DrainMiddleware)
 
 
 def _error(message: str, param: str | None = None, code: int = 400, kind: str = "BadRequestError",
@@ -126,6 +128,17 @@ class OpenAIIngress:
                 self._view_polls += 1
             except Exception as exc:  # controller down or late: the router falls back to Serve's stats
                 logger.debug("routing view poll failed: %r", exc)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests with 503 from now on and wait up to ``timeout_s`` for the ones in flight to
+        end (deployments.server calls it on SIGTERM, before Serve shuts down); how many are still running."""
+        # Imported here: Serve pickles this class by value, and a module-level name would be a copy of
+        # the state the middleware (of the module's own app) counts in.
+        from deployments.drain import DRAIN
+
+        left = await DRAIN.drain(timeout_s)
+        logger.info("drained: %d request(s) still in flight", left)
+        return left
 
     # --- plain endpoints ------------------------------------------------------------------
     @app.get("/health")

@@ -60,21 +60,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ray.init(num_cpus=args.num_cpus, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(config), name="entropic", route_prefix="/")
-    base = f"http://{args.host}:{args.port}"
-    print(json.dumps({"ready": base, "openai_base_url": f"{base}/v1", "metrics": f"{base}/metrics",
-                      "model": config.model_name}), flush=True)
+
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)  # as Ctrl-C: Serve drains every replica before it exits
+    # As Ctrl-C, and in place of the handler ray.init installed, which tears the local cluster down at once.
+    signal.signal(signal.SIGTERM, stop)
     try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name="entropic", route_prefix="/")
+        base = f"http://{args.host}:{args.port}"
+        print(json.dumps({"ready": base, "openai_base_url": f"{base}/v1", "metrics": f"{base}/metrics",
+                          "model": config.model_name}), flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        drain(config.drain_timeout_s)
         serve.shutdown()
     return 0
+
+
+def drain(timeout_s: float) -> None:
+    """Let requests in flight finish (new ones get 503) before Serve shuts down: serve.shutdown() alone
+    stops the HTTP proxy at once and cuts every open stream. A second signal skips the wait."""
+    from ray import serve
+
+    print(f"draining: requests in flight may run for up to {timeout_s:.0f} s; new ones get 503", flush=True)
+    try:
+        ingress = serve.get_deployment_handle("OpenAIIngress", app_name="entropic")
+        left = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + 10)
+        print(f"drained ({left} request(s) still in flight)", flush=True)
+    except KeyboardInterrupt:
+        print("drain skipped", flush=True)
+    except Exception as exc:  # the ingress is gone already: nothing left to drain
+        print(f"drain failed: {type(exc).__name__}: {exc}", flush=True)
 
 
 if __name__ == "__main__":

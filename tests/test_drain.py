@@ -1,0 +1,103 @@
+"""SIGTERM on ``python -m deployments.server`` drains: streams in flight run to their end, new requests get
+503 with Retry-After and an OpenAI error object meanwhile, then the server exits.
+
+The server runs as a user starts it, in a process of its own with a Ray instance of its own
+(``RAY_ADDRESS=local``: never the test session's cluster), the default model, one replica, eager.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 96
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def own_server(tmp_path: Path, model_dir):
+    port = _free_port()
+    config = tmp_path / "app.json"
+    config.write_text(json.dumps({"engine": {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 4,
+                                             "kv_cache_space_gib": 1}, "drain_timeout_s": 60}))
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.server", "--port", str(port), "--config", str(config),
+                             "--num-cpus", "2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "RAY_ADDRESS": "local"}, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        if '"ready"' in (tmp_path / "server.log").read_text(errors="replace"):  # what a user waits for
+            break
+        time.sleep(1)
+    assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+    yield proc, base, tmp_path / "server.log"
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def _stream(base: str, out: dict) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": TOKENS, "stream": True,
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    lines = []
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as response:
+            out["status"] = response.status_code
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    out["started"] = True
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+    out["lines"], out["ended"] = lines, time.monotonic()
+
+
+def test_sigterm_lets_streams_finish_and_refuses_new_requests_meanwhile(own_server):
+    proc, base, log = own_server
+    streams = [{} for _ in range(2)]
+    threads = [threading.Thread(target=_stream, args=(base, out)) for out in streams]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while not all(s.get("started") for s in streams):
+        assert time.monotonic() < deadline, streams
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    probes = []  # (status, retry-after, error type) of requests sent while the streams run
+    while any(t.is_alive() for t in threads):
+        try:
+            r = httpx.post(f"{base}/v1/completions", timeout=30,
+                           json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
+            probes.append((r.status_code, r.headers.get("retry-after"), r.json().get("error", {}).get("type")))
+        except httpx.ConnectError:
+            probes.append(("refused", None, None))
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    for s in streams:  # every stream ran to its end: all its tokens, the usage chunk, then [DONE]
+        assert "error" not in s and s["status"] == 200, s
+        assert s["lines"][-1] == "data: [DONE]", s["lines"][-3:]
+        usage = json.loads(s["lines"][-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == TOKENS
+    answered = [p for p in probes if p[0] != "refused"]
+    assert answered, f"no request was sent while the streams drained: {probes}"
+    assert all(p == (503, "5", "ServiceUnavailableError") for p in answered), probes
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
