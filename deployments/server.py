@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelPreparationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    keep_frontend_off_engine_cores(config)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False)
 
     def stop(signum: int, frame: object) -> None:
@@ -78,6 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         drain(config.drain_timeout_s)
         serve.shutdown()
     return 0
+
+
+def keep_frontend_off_engine_cores(config: AppConfig) -> None:
+    """On CPU with ``engine.pin_cores``, run Ray (and so Serve's proxy, the ingress, the controller and the
+    worker replicas, which inherit it) on the cores the engines leave free: each engine process pins
+    itself to cores of its own from the top (workers/cpu_cores.py), and would still be preempted there
+    by the serving path otherwise. Skipped when the engines need every core, or on a GPU."""
+    from workers.cpu_cores import NODE_CORES_ENV, frontend_cores
+
+    if not config.engine.pin_cores or config.num_gpus_per_replica > 0:
+        return
+    replicas = config.autoscaling.max_replicas if config.autoscaling else config.num_replicas
+    cores = os.sched_getaffinity(0)
+    frontend = frontend_cores(cores, replicas * config.engine.cpu_threads)
+    if frontend is None:
+        return
+    os.environ[NODE_CORES_ENV] = ",".join(map(str, sorted(cores)))
+    os.sched_setaffinity(0, frontend)
 
 
 def drain(timeout_s: float) -> None:

@@ -73,3 +73,18 @@ def test_pinning_covers_threads_started_before_and_after() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     assert out == f"[({core},)]"
+
+
+def test_the_frontend_gets_the_cores_the_engines_leave_and_the_engines_claim_from_the_node(tmp_path: Path,
+                                                                                           monkeypatch) -> None:
+    from workers.cpu_cores import NODE_CORES_ENV, frontend_cores, node_cores
+
+    assert frontend_cores({0, 1, 2, 3}, 1) == [0, 1, 2]
+    assert frontend_cores({4, 5, 6, 7}, 3) == [4]  # a cpuset need not start at 0
+    assert frontend_cores({0, 1}, 2) is None  # the engines need every core: nobody is confined
+    monkeypatch.setenv(NODE_CORES_ENV, "0,1,2,3")
+    assert node_cores() == {0, 1, 2, 3}  # not this process's own affinity, which the frontend's may narrow
+    claim = claim_cores(2, lock_dir=tmp_path)
+    assert claim is not None and claim.cores == (2, 3)  # the top ones: frontend_cores(..., 2) is [0, 1]
+    monkeypatch.delenv(NODE_CORES_ENV)
+    assert node_cores() == os.sched_getaffinity(0)

@@ -48,10 +48,48 @@ def own_server(tmp_path: Path, model_dir):
             break
         time.sleep(1)
     assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+    _check_cores(proc.pid)
     yield proc, base, tmp_path / "server.log"
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [root]
+    while todo:
+        out += (kids := children.get(todo.pop(), []))
+        todo += kids
+    return out
+
+
+def _check_cores(server_pid: int) -> None:
+    """deployments.server keeps Ray and Serve on the lowest core (workers.cpu_cores.frontend_cores) and the
+    engine off it: pinned to a core of its own, or, when another engine on this machine holds it (the
+    test session's), floating over every core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return
+    found = {}
+    for pid in _descendants(server_pid):
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if "ServeReplica:entropic:OpenAIIngress" in name:
+            found["ingress"] = os.sched_getaffinity(pid)
+        elif comm.startswith("engine-"):
+            found["engine"] = os.sched_getaffinity(pid)
+    assert found.get("ingress") == set(cores[:-1]), found
+    assert found.get("engine") in ({cores[-1]}, set(cores)), found
 
 
 def _stream(base: str, out: dict) -> None:

@@ -13,6 +13,11 @@ cores are free again at once. The lowest ``reserve`` cores are never claimed, so
 Ray keep a core to run on. When too few cores are free (more engines than cores), the process stays
 unpinned, as before, and says so in the log: oversubscribed engines are better off floating than
 stacked on one pinned core.
+
+The rest of the serving path still floats over every core, the engines' included, unless whoever
+starts Ray keeps it off them: ``deployments.server`` (``make serve``) does, with ``frontend_cores``; it
+then names the node's cores in ``ENTROPIC_NODE_CORES``, which the engine processes claim from (their
+own affinity, inherited from Ray, is the frontend's).
 """
 from __future__ import annotations
 
@@ -24,6 +29,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+NODE_CORES_ENV = "ENTROPIC_NODE_CORES"
+
+
+def node_cores() -> set[int]:
+    """The cores engines may claim: ``ENTROPIC_NODE_CORES`` when the server set it, else this process's."""
+    named = os.environ.get(NODE_CORES_ENV)
+    return {int(c) for c in named.split(",")} if named else os.sched_getaffinity(0)
+
+
+def frontend_cores(cores: set[int], engine_threads: int) -> list[int] | None:
+    """The lowest cores, those engines pinned from the top leave free; None when the engines need them all."""
+    ordered = sorted(cores)
+    free = len(ordered) - engine_threads
+    return ordered[:free] if free >= 1 else None
 
 
 def default_lock_dir() -> Path:
@@ -46,9 +67,9 @@ class CoreClaim:
 
 def claim_cores(count: int, *, reserve: int = 1, allowed: set[int] | None = None,
                 lock_dir: Path | None = None) -> CoreClaim | None:
-    """Take ``count`` free cores from the top of ``allowed`` (default: this process's affinity), leaving
+    """Take ``count`` free cores from the top of ``allowed`` (default: ``node_cores()``), leaving
     its lowest ``reserve`` cores unclaimed; None when fewer than ``count`` are free."""
-    candidates = sorted(os.sched_getaffinity(0) if allowed is None else allowed)[reserve:]
+    candidates = sorted(node_cores() if allowed is None else allowed)[reserve:]
     directory = lock_dir or default_lock_dir()
     directory.mkdir(parents=True, exist_ok=True)
     claim = CoreClaim(())
@@ -81,16 +102,16 @@ def pin_this_process(cores: tuple[int, ...]) -> None:
 
 
 def pin_engine_process(count: int, reserve: int = 1) -> CoreClaim | None:
-    """Claim and pin for this engine process; None (and a log line) when it stays unpinned."""
+    """Claim and pin for this engine process; None (and a log line) when it floats instead."""
     try:
         claim = claim_cores(count, reserve=reserve)
+        why = f"fewer than {count} cores are free beyond the {reserve} left to the serving path"
     except OSError as exc:  # no writable temporary directory: serve unpinned rather than not at all
-        logger.warning("engine process %d stays unpinned: %s", os.getpid(), exc)
-        return None
+        claim, why = None, str(exc)
     if claim is None:
-        logger.warning("engine process %d stays unpinned: fewer than %d of its cores %s are free beyond the %d "
-                       "left to the serving path (more engine threads than cores)", os.getpid(), count,
-                       sorted(os.sched_getaffinity(0)), reserve)
+        cores = tuple(sorted(node_cores()))
+        pin_this_process(cores)  # the whole node, not only the frontend's cores it inherited
+        logger.warning("engine process %d floats over cores %s: %s", os.getpid(), list(cores), why)
         return None
     pin_this_process(claim.cores)
     logger.info("engine process %d pinned to cores %s", os.getpid(), list(claim.cores))
