@@ -18,7 +18,7 @@ the controller's; Serve replaces both. Every request ends in one outcome: ``ok``
 a poison input must get), ``shed`` (429/503 with Retry-After), ``in_band_error`` (a stream that started
 and then carried an error), ``server_error`` (any other 5xx), ``transport`` (no HTTP answer), ``wrong``
 (a poison input that got anything but a 400, or a normal one that got a 4xx), ``disconnected``. Every 10 s
-the resident memory of each Serve replica process and engine process is sampled.
+the resident memory of each Serve replica process, engine process and Serve proxy is sampled.
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ async def _stream(client, url: str, body: dict, row: dict, t0: float, drop_after
 
 
 def _processes() -> dict[int, str]:
-    """pid -> role of every Serve replica process and engine process on this machine."""
+    """pid -> role of every Serve replica process, engine process and Serve proxy on this machine."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -169,6 +169,8 @@ def _processes() -> dict[int, str]:
             out[int(pid)] = "engine"
         elif "ServeReplica:entropic:" in cmd:
             out[int(pid)] = cmd.split("ServeReplica:entropic:", 1)[1].split()[0]
+        elif cmd.startswith("ray::ProxyActor"):
+            out[int(pid)] = "ProxyActor"
     return out
 
 
