@@ -24,6 +24,19 @@ class AutoscalingConfig(BaseModel):
     target_ongoing_requests: float = Field(8, gt=0)
 
 
+class HttpConfig(BaseModel):
+    """Who may call the HTTP API, as ``vllm serve``'s --api-key and CORS flags (same defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys: list[str] = Field(default_factory=list, description="bearer tokens /v1/* and /debug/* require; "
+                                "empty: none, unless the VLLM_API_KEY environment variable names one")
+    allowed_origins: list[str] = Field(default_factory=list, description="CORS origins ('*': any)")
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 class AppConfig(ReplicaConfig):
     num_replicas: int = Field(1, ge=1, le=64)
     autoscaling: AutoscalingConfig | None = None
@@ -32,6 +45,7 @@ class AppConfig(ReplicaConfig):
         None, ge=-1, description="requests waiting in Serve's queue for a worker replica, per ingress replica; "
         "past it, 503 with Retry-After. None: twice the engines' batch slots (2 x engine.max_num_seqs x replicas, "
         "max_replicas with autoscaling); -1: unbounded")
+    http: HttpConfig = Field(default_factory=HttpConfig)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM (deployments.server), how long requests "
                                    "in flight may run on while new ones get 503, before Serve shuts down")
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body the ingress reads; "

@@ -28,6 +28,7 @@ from controller.messages import Admission, Grant
 from deployments import protocol as p
 from deployments.config import AppConfig
 from deployments.drain import DrainMiddleware
+from deployments.http_policy import PolicyMiddleware
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,19 @@ _RETRY_AFTER_S = 5
 _HEALTH_TIMEOUT_S = 2.0
 app = FastAPI(title="entropic-serve", description="OpenAI-compatible API with entropy control")
 app.add_middleware(DrainMiddleware)
+app.add_middleware(PolicyMiddleware)  # added last, so outermost: CORS and keys before anything else
 
 
 def _error(message: str, param: str | None = None, code: int = 400, kind: str = "BadRequestError",
            retry_after: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(p.error_body(message, param, code, kind), status_code=code, headers=headers)
+
+
+def _invalid(exc: InvalidRequest) -> JSONResponse:
+    if isinstance(exc, p.ModelNotFound):
+        return _error(exc.message, exc.param, code=404, kind="NotFoundError")
+    return _error(exc.message, exc.param)
 
 
 def _too_large(limit: int) -> JSONResponse:
@@ -112,6 +120,11 @@ class OpenAIIngress:
         self.controller_stream = controller.options(stream=True)
         self.config = AppConfig.model_validate(config)
         self.model_name = self.config.model_name
+        # Imported here: Serve pickles this class by value, and a module-level name would be a copy
+        from deployments.http_policy import POLICY
+
+        POLICY.configure(self.config.http)
+        self._tokenizer: Any = None
         self._view_polls = 0
         if self.config.request_router == "soonest_served":
             self._routing_poll = asyncio.get_event_loop().create_task(self._poll_routing_view())
@@ -170,6 +183,79 @@ class OpenAIIngress:
         card = p.ModelCard(id=self.model_name, root=self.config.model, max_model_len=self.config.engine.max_model_len,
                            owned_by="entropic-serve")
         return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> JSONResponse:
+        if model_id != self.model_name:
+            return _invalid(p.ModelNotFound(model_id, self.model_name))
+        card = p.ModelCard(id=self.model_name, root=self.config.model, max_model_len=self.config.engine.max_model_len,
+                           owned_by="entropic-serve")
+        return JSONResponse(card.model_dump())
+
+    @app.get("/version")
+    async def version(self) -> JSONResponse:
+        """vLLM's version, as ``vllm serve`` answers, and this server's."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        import vllm
+
+        try:
+            ours = version("entropic-serve")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            ours = None
+        return JSONResponse({"version": vllm.__version__, "entropic_serve": ours})
+
+    @app.post("/tokenize")
+    async def tokenize(self, raw: Request) -> JSONResponse:
+        """As ``vllm serve``'s: the token ids a prompt or a chat becomes, by the code a replica runs
+        (workers.prompts), with the model's tokenizer loaded here on first use."""
+        from workers.prompts import encode, render_chat
+
+        try:
+            request = p.parse_tokenize(await self._json(raw), self.model_name)
+            tokenizer = await self._get_tokenizer()
+            if isinstance(request, p.TokenizeChatRequest):
+                text, param = render_chat(request, tokenizer), "messages"
+            else:
+                text, param = request.prompt, "prompt"
+            ids = encode(tokenizer, text, request.add_special_tokens, param)
+        except InvalidRequest as exc:
+            return _invalid(exc)
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return JSONResponse(p.TokenizeResponse(count=len(ids), max_model_len=self.config.engine.max_model_len,
+                                               tokens=ids, token_strs=strs).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(self, raw: Request) -> JSONResponse:
+        try:
+            request = p.parse_detokenize(await self._json(raw), self.model_name)
+            tokenizer = await self._get_tokenizer()
+            if any(t >= len(tokenizer) for t in request.tokens):
+                raise InvalidRequest(f"token ids must be in [0, {len(tokenizer)})", "tokens")
+        except InvalidRequest as exc:
+            return _invalid(exc)
+        return JSONResponse(p.DetokenizeResponse(prompt=tokenizer.decode(request.tokens)).model_dump())
+
+    async def _json(self, raw: Request) -> Any:
+        payload = await raw.body()
+        if len(payload) > self.config.max_request_bytes:
+            raise InvalidRequest(f"the request body is larger than {self.config.max_request_bytes} bytes")
+        try:
+            return json.loads(payload)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequest(f"the request is nested more than {p.MAX_JSON_DEPTH} levels deep") from None
+
+    async def _get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from vllm.tokenizers import get_tokenizer
+
+            from workers.model_store import resolve_model
+
+            path = await asyncio.to_thread(resolve_model, self.config.model)
+            self._tokenizer = await asyncio.to_thread(get_tokenizer, str(path))
+        return self._tokenizer
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -246,7 +332,7 @@ class OpenAIIngress:
         try:
             request = p.parse_request(kind, body, self.model_name)
         except InvalidRequest as exc:
-            return _error(exc.message, exc.param)
+            return _invalid(exc)
         except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
@@ -258,7 +344,7 @@ class OpenAIIngress:
         try:
             first, stream = await self._start(kind, request, grant)
         except InvalidRequest as exc:
-            return _error(exc.message, exc.param)
+            return _invalid(exc)
         except ReplicaUnavailable as exc:
             return _error(exc.message, code=503, kind="ServiceUnavailableError", retry_after=_RETRY_AFTER_S)
         except RequestFailed as exc:

@@ -32,6 +32,13 @@ from vllm.entrypoints.serve.engine.protocol import (  # noqa: F401
     ModelList,
     UsageInfo,
 )
+from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: F401
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 from vllm.exceptions import VLLMValidationError
 
 from workers.control_params import PruningControl, SamplingControl
@@ -82,6 +89,13 @@ _UNSUPPORTED = {
 }
 
 
+class ModelNotFound(InvalidRequest):
+    """A request names a model this server does not serve: 404, as ``vllm serve`` answers."""
+
+    def __init__(self, model: str, served_model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist. Valid aliases: {served_model}.", "model")
+
+
 def _loc(error: dict[str, Any]) -> str | None:
     """The field's path as a client wrote it (``messages[0].content``), without pydantic's model and
     union-branch tags (``ChatCompletionRequest``, ``list[constrained-int]``)."""
@@ -130,18 +144,9 @@ def check_json_text(body: Any) -> None:
 
 def parse_request(kind: str, body: Any, served_model: str) -> Any:
     """Validate a decoded JSON body; raises InvalidRequest naming the offending field."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    check_json_text(body)
-    try:
-        request = REQUEST_MODELS[kind].model_validate(body)
-    except ValidationError as exc:
-        error = _most_telling([dict(e) for e in exc.errors()])
-        raise InvalidRequest(f"{_loc(error)}: {error['msg']}", _loc(error)) from None
-    except (ValueError, VLLMValidationError) as exc:  # vLLM's own model validators
-        raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from None
+    request = _validate(REQUEST_MODELS[kind], body)
     if request.model is not None and request.model != served_model:
-        raise InvalidRequest(f"the model `{request.model}` does not exist; this server serves `{served_model}`", "model")
+        raise ModelNotFound(request.model, served_model)
     for field in ("max_tokens", "max_completion_tokens"):
         value = getattr(request, field, None)
         if value is not None and value <= 0:
@@ -160,6 +165,47 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
         raise InvalidRequest("prompt must not be empty", "prompt")
     elif isinstance(request.prompt, list) and len(request.prompt) > 1 and not isinstance(request.prompt[0], int):
         raise InvalidRequest("one prompt per request is supported", "prompt")
+    return request
+
+
+def _validate(model: Any, body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    check_json_text(body)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = _most_telling([dict(e) for e in exc.errors()])
+        raise InvalidRequest(f"{_loc(error)}: {error['msg']}", _loc(error)) from None
+    except (ValueError, VLLMValidationError) as exc:
+        raise InvalidRequest(str(exc), getattr(exc, "parameter", None)) from None
+
+
+_TOKENIZE_UNSUPPORTED = {
+    "tools": "tool calling is not supported",
+    "chat_template": _UNSUPPORTED["chat_template"],
+    "continue_final_message": "continue_final_message is not supported",
+    "mm_processor_kwargs": "this server serves text models only",
+    "media_io_kwargs": "this server serves text models only",
+}
+
+
+def parse_tokenize(body: Any, served_model: str) -> Any:
+    """A /tokenize body: ``TokenizeChatRequest`` when it has ``messages``, else ``TokenizeCompletionRequest``."""
+    chat = isinstance(body, dict) and "messages" in body
+    request = _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    if request.model is not None and request.model != served_model:
+        raise ModelNotFound(request.model, served_model)
+    for field, message in _TOKENIZE_UNSUPPORTED.items():
+        if getattr(request, field, None):
+            raise InvalidRequest(message, field)
+    return request
+
+
+def parse_detokenize(body: Any, served_model: str) -> Any:
+    request = _validate(DetokenizeRequest, body)
+    if request.model is not None and request.model != served_model:
+        raise ModelNotFound(request.model, served_model)
     return request
 
 

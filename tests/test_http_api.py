@@ -197,7 +197,6 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
 
 BAD_REQUESTS = [
     ("chat", {"messages": []}, "messages"),
-    ("chat", {"model": "no-such-model", "messages": FACT_PROMPT}, "model"),
     ("chat", {"messages": FACT_PROMPT, "max_tokens": 0}, "max_tokens"),
     ("completion", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("chat", {"messages": FACT_PROMPT, "temperature": -0.5}, "temperature"),
@@ -226,6 +225,54 @@ def test_bad_input_gets_400_naming_the_field(server, kind, body, param):
     error = response.json()["error"]
     assert error["code"] == 400 and error["message"]
     assert error["param"] == param or (error["param"] or "").startswith(param + "."), error
+
+
+def test_an_unknown_model_gets_404_as_from_vllm(server, client, served_model):
+    for path, body in (("/v1/chat/completions", {"model": "no-such-model", "messages": FACT_PROMPT}),
+                       ("/v1/completions", {"model": "no-such-model", "prompt": "x"}),
+                       ("/tokenize", {"model": "no-such-model", "prompt": "x"})):
+        response = httpx.post(f"{server}{path}", json=body, timeout=60)
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == ("NotFoundError", "model", 404)
+        assert "`no-such-model` does not exist" in error["message"] and served_model in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=FACT_PROMPT, max_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    card = client.models.retrieve(served_model)
+    assert card.id == served_model and card.model_extra["max_model_len"] > 0
+
+
+def test_version_names_the_vllm_it_runs(server):
+    import vllm
+
+    body = httpx.get(f"{server}/version", timeout=30).json()
+    assert body["version"] == vllm.__version__ and "entropic_serve" in body
+
+
+def test_tokenize_counts_what_generation_counts_and_detokenize_inverts_it(server, client, served_model):
+    """/tokenize runs the code a replica runs to turn a request into ids, so its count is the prompt_tokens
+    the same request is billed for."""
+    chat = client.chat.completions.create(model=served_model, messages=FACT_PROMPT, max_tokens=1)
+    tokens = httpx.post(f"{server}/tokenize", json={"model": served_model, "messages": FACT_PROMPT}, timeout=60).json()
+    assert tokens["count"] == len(tokens["tokens"]) == chat.usage.prompt_tokens
+    completion = client.completions.create(model=served_model, prompt="The capital of France is", max_tokens=1)
+    plain = httpx.post(f"{server}/tokenize", json={"prompt": "The capital of France is", "return_token_strs": True},
+                       timeout=60).json()
+    assert plain["count"] == completion.usage.prompt_tokens and len(plain["token_strs"]) == plain["count"]
+    bare = httpx.post(f"{server}/tokenize", json={"prompt": "Entropy is a measure.", "add_special_tokens": False},
+                      timeout=60).json()
+    text = httpx.post(f"{server}/detokenize", json={"tokens": bare["tokens"]}, timeout=60).json()
+    assert text == {"prompt": "Entropy is a measure."}
+    for path, body, param in (("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/tokenize", {"messages": FACT_PROMPT, "tools": [{"type": "function",
+                                             "function": {"name": "f"}}]}, "tools"),
+                              ("/tokenize", {}, "prompt")):
+        response = httpx.post(f"{server}{path}", json=body, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        assert (response.json()["error"]["param"] or "").startswith(param), response.text
 
 
 def test_malformed_json_gets_400(server):

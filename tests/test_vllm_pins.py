@@ -53,6 +53,24 @@ def test_engine_and_protocol_entry_points():
         assert hasattr(LLMEngine, name), name
 
 
+def test_tokenize_entry_points():
+    """/tokenize and /detokenize take vLLM's request models and load the tokenizer as vLLM's engine does."""
+    from vllm.entrypoints.serve.tokenize.protocol import (
+        DetokenizeRequest,
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
+        TokenizeResponse,
+    )
+    from vllm.tokenizers import get_tokenizer
+
+    assert {"messages", "add_generation_prompt", "add_special_tokens", "return_token_strs", "chat_template_kwargs",
+            "continue_final_message", "tools"} <= set(TokenizeChatRequest.model_fields)
+    assert {"prompt", "add_special_tokens", "return_token_strs"} <= set(TokenizeCompletionRequest.model_fields)
+    assert set(DetokenizeRequest.model_fields) >= {"tokens", "model"}
+    assert set(TokenizeResponse.model_fields) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert list(inspect.signature(get_tokenizer).parameters)[0] == "tokenizer_name"
+
+
 def test_our_processor_is_a_vllm_logits_processor():
     from vllm.v1.sample.logits_processor import LogitsProcessor
 

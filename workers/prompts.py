@@ -42,29 +42,33 @@ def _template_kwargs(request: Any, tokenizer: Any) -> dict[str, Any]:
         raise InvalidRequest(str(exc), "chat_template_kwargs") from None
 
 
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+def encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
     try:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except (TypeError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate ("\ud800") in the text
         raise InvalidRequest(f"the text cannot be tokenized: {exc}", param) from None
 
 
+def render_chat(request: Any, tokenizer: Any) -> str:
+    """The chat request's messages through the model's own chat template, as text."""
+    messages = [_message_text(dict(m), i) for i, m in enumerate(request.messages)]
+    kwargs = _template_kwargs(request, tokenizer)
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs
+        )
+    except Exception as exc:  # the template's own error (jinja raise_exception, a bad kwarg's type)
+        raise InvalidRequest(f"the chat template could not render these messages: {exc}", "messages") from None
+
+
 def prompt_token_ids(kind: str, request: Any, tokenizer: Any) -> list[int]:
     if kind == "chat":
-        messages = [_message_text(dict(m), i) for i, m in enumerate(request.messages)]
-        kwargs = _template_kwargs(request, tokenizer)
-        try:
-            rendered = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs
-            )
-        except Exception as exc:  # the template's own error (jinja raise_exception, a bad kwarg's type)
-            raise InvalidRequest(f"the chat template could not render these messages: {exc}", "messages") from None
-        return _encode(tokenizer, rendered, False, "messages")
+        return encode(tokenizer, render_chat(request, tokenizer), False, "messages")
     prompt = request.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return _encode(tokenizer, prompt, True, "prompt")
+        return encode(tokenizer, prompt, True, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         vocab = len(tokenizer)
         if any(not 0 <= t < vocab for t in prompt):

@@ -1,8 +1,8 @@
-"""SIGTERM on ``python -m deployments.server`` drains: streams in flight run to their end, new requests get
-503 with Retry-After and an OpenAI error object meanwhile, then the server exits.
+"""The server as a user starts it (``python -m deployments.server``), with an API key and a CORS origin:
+who may call it, where its processes run, and how SIGTERM drains it (the last test: it stops the server).
 
-The server runs as a user starts it, in a process of its own with a Ray instance of its own
-(``RAY_ADDRESS=local``: never the test session's cluster), the default model, one replica, eager.
+It runs in a process of its own with a Ray instance of its own (``RAY_ADDRESS=local``: never the test
+session's cluster), the default model, one replica, eager.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 96
+KEY = "sk-test-key"
+ORIGIN = "http://app.example"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _free_port() -> int:
@@ -29,12 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def own_server(tmp_path: Path, model_dir):
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory, model_dir):
+    tmp_path = tmp_path_factory.mktemp("own-server")
     port = _free_port()
     config = tmp_path / "app.json"
     config.write_text(json.dumps({"engine": {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 4,
-                                             "kv_cache_space_gib": 1}, "drain_timeout_s": 60}))
+                                             "kv_cache_space_gib": 1}, "drain_timeout_s": 60,
+                                  "http": {"api_keys": [KEY], "allowed_origins": [ORIGIN]}}))
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "deployments.server", "--port", str(port), "--config", str(config),
                              "--num-cpus", "2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -92,12 +97,41 @@ def _check_cores(server_pid: int) -> None:
     assert found.get("engine") in ({cores[-1]}, set(cores)), found
 
 
+def test_an_api_key_guards_the_api_but_not_health_or_metrics(own_server):
+    from openai import AuthenticationError, OpenAI
+
+    _, base, _ = own_server
+    for path in ("/v1/models", "/debug/requests"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            response = httpx.get(f"{base}{path}", headers=headers, timeout=30)
+            assert response.status_code == 401, (path, headers, response.text)
+            assert response.json()["error"]["type"] == "AuthenticationError"
+        assert httpx.get(f"{base}{path}", headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(f"{base}/health", timeout=30).status_code == 200  # probes carry no key
+    assert httpx.get(f"{base}/metrics", timeout=30).status_code != 401  # nor does Prometheus
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+    assert OpenAI(base_url=f"{base}/v1", api_key=KEY).models.list().data[0].id == "SmolLM2-135M-Instruct"
+
+
+def test_a_browser_preflight_is_answered_for_allowed_origins_only(own_server):
+    _, base, _ = own_server
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": ORIGIN, **preflight}, timeout=30)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    refused = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight},
+                            timeout=30)
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    simple = httpx.get(f"{base}/v1/models", headers={"Origin": ORIGIN, **AUTH}, timeout=30)
+    assert simple.headers["access-control-allow-origin"] == ORIGIN
+
+
 def _stream(base: str, out: dict) -> None:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": TOKENS, "stream": True,
             "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     lines = []
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as response:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH, timeout=300) as response:
             out["status"] = response.status_code
             for line in response.iter_lines():
                 if line:
@@ -122,7 +156,7 @@ def test_sigterm_lets_streams_finish_and_refuses_new_requests_meanwhile(own_serv
     probes = []  # (status, retry-after, error type) of requests sent while the streams run
     while any(t.is_alive() for t in threads):
         try:
-            r = httpx.post(f"{base}/v1/completions", timeout=30,
+            r = httpx.post(f"{base}/v1/completions", timeout=30, headers=AUTH,
                            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
             probes.append((r.status_code, r.headers.get("retry-after"), r.json().get("error", {}).get("type")))
         except httpx.ConnectError:
