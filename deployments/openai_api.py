@@ -355,7 +355,9 @@ class OpenAIIngress:
         except Exception:
             logger.exception("generation failed before its first output")
             return _error("generation failed", code=500, kind="InternalServerError")
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # As vllm serve names a response: the X-Request-Id header, else the body's request_id (vLLM's
+        # protocol model draws a random one when the client sends none)
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{raw.headers.get('x-request-id') or request.request_id}"
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)

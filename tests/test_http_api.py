@@ -244,6 +244,17 @@ def test_an_unknown_model_gets_404_as_from_vllm(server, client, served_model):
     assert card.id == served_model and card.model_extra["max_model_len"] > 0
 
 
+def test_a_response_is_named_by_the_clients_request_id_as_in_vllm(server, served_model):
+    body = {"model": served_model, "messages": FACT_PROMPT, "max_tokens": 1}
+    named = httpx.post(f"{server}/v1/chat/completions", json={**body, "request_id": "abc-1"}, timeout=60).json()
+    assert named["id"] == "chatcmpl-abc-1"
+    header = httpx.post(f"{server}/v1/chat/completions", json=body, headers={"X-Request-Id": "xyz-2"}, timeout=60)
+    assert header.json()["id"] == "chatcmpl-xyz-2"
+    a, b = (httpx.post(f"{server}/v1/completions", json={"model": served_model, "prompt": "Hi", "max_tokens": 1},
+                       timeout=60).json()["id"] for _ in range(2))
+    assert a.startswith("cmpl-") and a != b
+
+
 def test_version_names_the_vllm_it_runs(server):
     import vllm
 
