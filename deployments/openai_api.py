@@ -41,6 +41,41 @@ app.add_middleware(DrainMiddleware)
 app.add_middleware(PolicyMiddleware)  # added last, so outermost: CORS and keys before anything else
 
 
+# The handlers read their bodies themselves (to bound their size and answer every mistake in the OpenAI
+# shape), so FastAPI cannot see them: the schema declares them from the models they are parsed with.
+_BODY_MODELS = ("EntropicChatCompletionRequest", "EntropicCompletionRequest", "TokenizeCompletionRequest",
+                "TokenizeChatRequest", "DetokenizeRequest", "ErrorResponse")
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _body(*models: str) -> dict[str, Any]:
+    schema = _ref(models[0]) if len(models) == 1 else {"anyOf": [_ref(m) for m in models]}
+    error = {"description": "OpenAI error object", "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {"400": error, "404": error}}
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's schema plus the request models the handlers parse (vLLM's protocol models, ours on top)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in _BODY_MODELS:
+            model_schema = getattr(p, name).model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[name] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = _openapi
+
+
 def _error(message: str, param: str | None = None, code: int = 400, kind: str = "BadRequestError",
            retry_after: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
@@ -205,7 +240,7 @@ class OpenAIIngress:
             ours = None
         return JSONResponse({"version": vllm.__version__, "entropic_serve": ours})
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body("TokenizeCompletionRequest", "TokenizeChatRequest"))
     async def tokenize(self, raw: Request) -> JSONResponse:
         """As ``vllm serve``'s: the token ids a prompt or a chat becomes, by the code a replica runs
         (workers.prompts), with the model's tokenizer loaded here on first use."""
@@ -225,7 +260,7 @@ class OpenAIIngress:
         return JSONResponse(p.TokenizeResponse(count=len(ids), max_model_len=self.config.engine.max_model_len,
                                                tokens=ids, token_strs=strs).model_dump())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
     async def detokenize(self, raw: Request) -> JSONResponse:
         try:
             request = p.parse_detokenize(await self._json(raw), self.model_name)
@@ -306,11 +341,11 @@ class OpenAIIngress:
                              "controller": queue})
 
     # --- generation -------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("EntropicChatCompletionRequest"))
     async def chat_completions(self, raw: Request) -> Response:
         return await self._generate("chat", raw)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("EntropicCompletionRequest"))
     async def completions(self, raw: Request) -> Response:
         return await self._generate("completion", raw)
 

@@ -255,6 +255,28 @@ def test_a_response_is_named_by_the_clients_request_id_as_in_vllm(server, served
     assert a.startswith("cmpl-") and a != b
 
 
+def test_the_openapi_schema_declares_the_request_bodies_the_server_parses(server, served_model):
+    """Schema-driven clients and fuzzers learn the real bodies: vLLM's protocol models with ``entropic``."""
+    from jsonschema import Draft202012Validator
+
+    doc = httpx.get(f"{server}/openapi.json", timeout=60).json()
+    bodies = {path: doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+              for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")}
+
+    def validator(path: str) -> Draft202012Validator:
+        return Draft202012Validator({**bodies[path], "components": doc["components"]})
+
+    good = {"model": served_model, "messages": FACT_PROMPT, "max_tokens": 2, "entropic": {"target_entropy": 1.5}}
+    assert not list(validator("/v1/chat/completions").iter_errors(good))
+    assert httpx.post(f"{server}/v1/chat/completions", json=good, timeout=60).status_code == 200
+    bad = {**good, "entropic": {"target_entropy": "high"}}  # what the server refuses, the schema refuses
+    assert list(validator("/v1/chat/completions").iter_errors(bad))
+    assert httpx.post(f"{server}/v1/chat/completions", json=bad, timeout=60).status_code == 400
+    assert not list(validator("/tokenize").iter_errors({"prompt": "Hi"}))
+    assert not list(validator("/detokenize").iter_errors({"tokens": [1, 2]}))
+    assert list(validator("/detokenize").iter_errors({"tokens": ["a"]}))
+
+
 def test_version_names_the_vllm_it_runs(server):
     import vllm
 
