@@ -138,9 +138,11 @@ def _sse(payload: Any) -> str:
     return f"data: {body}\n\n"
 
 
-def _usage(delta: Any) -> p.UsageInfo:
-    return p.UsageInfo(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
-                       total_tokens=delta.prompt_tokens + delta.completion_tokens)
+def _usage(last: list[Any]) -> p.UsageInfo:
+    """Over every choice's last delta: the prompt once, the completions summed (as vLLM counts n > 1)."""
+    completion = sum(d.completion_tokens for d in last)
+    return p.UsageInfo(prompt_tokens=last[0].prompt_tokens, completion_tokens=completion,
+                       total_tokens=last[0].prompt_tokens + completion)
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -371,13 +373,13 @@ class OpenAIIngress:
         except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
-        key = f"{kind}-{uuid.uuid4().hex}"
-        grant = await self._admit(key, kind, request)
-        if grant is not None and grant.shed in ("queue_full", "deadline"):
+        choices = p.choice_requests(request)  # n > 1: one request per choice, each with its own telemetry
+        grants = await asyncio.gather(*(self._admit(f"{kind}-{uuid.uuid4().hex}", kind, c) for c in choices))
+        if any(g is not None and g.shed in ("queue_full", "deadline") for g in grants):
             return _error("the server is at capacity; retry shortly", code=503, kind="ServiceUnavailableError",
                           retry_after=_RETRY_AFTER_S)
         try:
-            first, stream = await self._start(kind, request, grant)
+            starts = await self._start_all(kind, choices, list(grants))
         except InvalidRequest as exc:
             return _invalid(exc)
         except ReplicaUnavailable as exc:
@@ -397,9 +399,9 @@ class OpenAIIngress:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
-                self._sse(kind, request_id, created, first, stream, include_usage), media_type="text/event-stream"
+                self._sse(kind, request_id, created, starts, include_usage), media_type="text/event-stream"
             )
-        return await self._full(kind, request_id, created, first, stream)
+        return await self._full(kind, request_id, created, starts)
 
     async def _admit(self, key: str, kind: str, request: Any) -> Grant | None:
         """With dispatch on, wait in the controller's queue for a replica: the ``Grant`` (a replica, or shed).
@@ -464,6 +466,20 @@ class OpenAIIngress:
                 raise
         raise AssertionError("unreachable")
 
+    async def _start_all(self, kind: str, choices: list[Any], grants: list[Grant | None]) -> list[tuple[Any, Any]]:
+        """``_start`` for each choice's request; if one cannot start, none goes on."""
+        if len(choices) == 1:
+            return [await self._start(kind, choices[0], grants[0])]
+        started = await asyncio.gather(*(self._start(kind, c, g) for c, g in zip(choices, grants)),
+                                       return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            for r in started:
+                if not isinstance(r, BaseException):
+                    r[1].cancel()
+            raise failed[0]
+        return [r for r in started if not isinstance(r, BaseException)]
+
     async def _deltas(self, first: Any, stream: Any) -> AsyncIterator[Any]:
         yield first
         async for delta in stream:
@@ -471,22 +487,56 @@ class OpenAIIngress:
                 raise delta
             yield delta
 
-    async def _sse(self, kind: str, rid: str, created: int, first: Any, stream: Any, include_usage: bool):
-        last = first
+    async def _indexed(self, starts: list[tuple[Any, Any]]) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, delta) as each choice's deltas arrive; the first failure of any choice is raised."""
+        if len(starts) == 1:
+            async for delta in self._deltas(*starts[0]):
+                yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, first: Any, stream: Any) -> None:
+            try:
+                async for delta in self._deltas(first, stream):
+                    queue.put_nowait((i, delta, None))
+                queue.put_nowait((i, None, None))
+            except Exception as exc:
+                queue.put_nowait((i, None, exc))
+
+        pumps = [asyncio.ensure_future(pump(i, first, stream)) for i, (first, stream) in enumerate(starts)]
+        try:
+            running = len(starts)
+            while running:
+                i, delta, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if delta is None:
+                    running -= 1
+                else:
+                    yield i, delta
+        finally:  # the client left or a choice failed: the other choices stop too
+            for pump_task in pumps:
+                pump_task.cancel()
+            for _, stream in starts:
+                stream.cancel()
+
+    async def _sse(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]], include_usage: bool):
+        last = [first for first, _ in starts]
         try:
             if kind == "chat":
-                yield _sse(p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[
-                    p.ChatCompletionResponseStreamChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))]))
-            async for delta in self._deltas(first, stream):
-                last = delta
+                for i in range(len(starts)):
+                    yield _sse(p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[
+                        p.ChatCompletionResponseStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))]))
+            async for i, delta in self._indexed(starts):
+                last[i] = delta
                 if kind == "chat":
                     choice = p.ChatCompletionResponseStreamChoice(
-                        index=0, delta=p.DeltaMessage(content=delta.text), finish_reason=delta.finish_reason,
+                        index=i, delta=p.DeltaMessage(content=delta.text), finish_reason=delta.finish_reason,
                         entropic=_chunk_entropic(delta))
                     chunk = p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                 else:
                     choice = p.CompletionResponseStreamChoice(
-                        index=0, text=delta.text, finish_reason=delta.finish_reason, entropic=_chunk_entropic(delta))
+                        index=i, text=delta.text, finish_reason=delta.finish_reason, entropic=_chunk_entropic(delta))
                     chunk = p.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                 yield _sse(chunk)
             if include_usage:
@@ -496,32 +546,36 @@ class OpenAIIngress:
             yield _sse(p.error_body(_failure_message(exc, rid), None, 500, "InternalServerError"))
         yield "data: [DONE]\n\n"
 
-    async def _full(self, kind: str, rid: str, created: int, first: Any, stream: Any) -> Response:
-        text, entropy, temperature, kv_blocks = [], [], [], []
-        last = first
+    async def _full(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]]) -> Response:
+        n = len(starts)
+        text: list[list[str]] = [[] for _ in range(n)]
+        entropy: list[list[float]] = [[] for _ in range(n)]
+        temperature: list[list[float]] = [[] for _ in range(n)]
+        kv_blocks: list[list[list[int]]] = [[] for _ in range(n)]
+        last = [first for first, _ in starts]
         try:
-            async for delta in self._deltas(first, stream):
-                last = delta
-                text.append(delta.text)
-                entropy += delta.entropy
-                temperature += delta.temperature
-                kv_blocks += [list(kt) for kt in delta.kv_blocks]
+            async for i, delta in self._indexed(starts):
+                last[i] = delta
+                text[i].append(delta.text)
+                entropy[i] += delta.entropy
+                temperature[i] += delta.temperature
+                kv_blocks[i] += [list(kt) for kt in delta.kv_blocks]
         except Exception as exc:
             return _error(_failure_message(exc, rid), code=500, kind="InternalServerError")
-        entropic = {"entropy": _finite(entropy), "temperature": _finite(temperature),
-                    "entropic_time": last.entropic_time, "mean_entropy": last.mean_entropy,
-                    "entropy_variance": last.entropy_variance}
-        if kv_blocks:
-            entropic["kv_blocks"] = kv_blocks
-        if kind == "chat":
-            choice = p.ChatCompletionResponseChoice(
-                index=0, message=p.ChatMessage(role="assistant", content="".join(text)),
-                finish_reason=last.finish_reason, entropic=entropic)
-            body = p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
-                                            usage=_usage(last))
-        else:
-            choice = p.CompletionResponseChoice(index=0, text="".join(text), finish_reason=last.finish_reason,
-                                                entropic=entropic)
-            body = p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice],
-                                        usage=_usage(last))
+        choices = []
+        for i in range(n):
+            entropic = {"entropy": _finite(entropy[i]), "temperature": _finite(temperature[i]),
+                        "entropic_time": last[i].entropic_time, "mean_entropy": last[i].mean_entropy,
+                        "entropy_variance": last[i].entropy_variance}
+            if kv_blocks[i]:
+                entropic["kv_blocks"] = kv_blocks[i]
+            if kind == "chat":
+                choices.append(p.ChatCompletionResponseChoice(
+                    index=i, message=p.ChatMessage(role="assistant", content="".join(text[i])),
+                    finish_reason=last[i].finish_reason, entropic=entropic))
+            else:
+                choices.append(p.CompletionResponseChoice(
+                    index=i, text="".join(text[i]), finish_reason=last[i].finish_reason, entropic=entropic))
+        cls = p.ChatCompletionResponse if kind == "chat" else p.CompletionResponse
+        body = cls(id=rid, created=created, model=self.model_name, choices=choices, usage=_usage(last))
         return JSONResponse(body.model_dump(mode="json"))

@@ -153,8 +153,8 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
             raise InvalidRequest(f"{field} must be at least 1, got {value}", field)
     if request.temperature is not None and request.temperature < 0:
         raise InvalidRequest(f"temperature must be non-negative, got {request.temperature}", "temperature")
-    if request.n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", "n")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", "n")
     for field, message in _UNSUPPORTED.items():
         if getattr(request, field, None):
             raise InvalidRequest(message, field)
@@ -207,6 +207,19 @@ def parse_detokenize(body: Any, served_model: str) -> Any:
     if request.model is not None and request.model != served_model:
         raise ModelNotFound(request.model, served_model)
     return request
+
+
+MAX_CHOICES = 64
+
+
+def choice_requests(request: Any) -> list[Any]:
+    """One request per choice: ``n`` copies with n = 1, choice i seeded ``seed + i`` when a seed is given
+    (else each draws its own), so every choice has its own telemetry and temperature-law state."""
+    n = request.n or 1
+    if n == 1:
+        return [request]
+    return [request.model_copy(update={"n": 1, "seed": None if request.seed is None else request.seed + i})
+            for i in range(n)]
 
 
 def overrides(request: Any) -> dict[str, Any] | None:

@@ -277,6 +277,37 @@ def test_the_openapi_schema_declares_the_request_bodies_the_server_parses(server
     assert list(validator("/detokenize").iter_errors({"tokens": ["a"]}))
 
 
+def test_n_choices_each_carry_their_own_telemetry_and_usage_adds_up(client, served_model):
+    out = client.chat.completions.create(model=served_model, messages=FACT_PROMPT, max_tokens=8, temperature=1.0,
+                                         seed=5, n=3, extra_body={"entropic": {"target_entropy": 1.0}})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    lengths = []
+    for choice in out.choices:
+        entropic = _entropic(choice)
+        assert len(entropic["entropy"]) == len(entropic["temperature"]) >= 1
+        lengths.append(len(entropic["entropy"]))
+    assert out.usage.completion_tokens == sum(lengths)
+    assert len({c.message.content for c in out.choices}) > 1  # seeds 5, 6, 7: three draws, not one copied
+    stream = client.completions.create(model=served_model, prompt="Once upon a time", max_tokens=6, n=2, seed=1,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    tokens, finished, usage = {0: 0, 1: 0}, set(), None
+    for chunk in stream:
+        for c in chunk.choices:
+            tokens[c.index] += len(c.model_extra["entropic"]["entropy"])
+            if c.finish_reason:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert tokens == {0: 6, 1: 6} and finished == {0, 1} and usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("n", [0, 65])
+def test_n_out_of_range_gets_400(server, served_model, n):
+    response = httpx.post(f"{server}/v1/chat/completions", json={"model": served_model, "messages": FACT_PROMPT,
+                                                                   "n": n}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n", response.text
+
+
 def test_version_names_the_vllm_it_runs(server):
     import vllm
 
