@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,17 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import _free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 96
 KEY = "sk-test-key"
 ORIGIN = "http://app.example"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from monitoring import dashboards
+from tests.conftest import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,12 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_committed_dashboards_are_generated_from_code():
     for name, text in dashboards.render().items():
         assert (dashboards.OUT / name).read_text() == text, f"run `python -m monitoring.dashboards` ({name})"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
