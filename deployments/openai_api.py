@@ -88,6 +88,10 @@ def _invalid(exc: InvalidRequest) -> JSONResponse:
     return _error(exc.message, exc.param)
 
 
+class _AtCapacity(Exception):
+    """The controller's queue shed a request (full, or past its deadline)."""
+
+
 def _too_large(limit: int) -> JSONResponse:
     return _error(f"the request body is larger than {limit} bytes", code=413, kind="RequestTooLargeError")
 
@@ -373,13 +377,11 @@ class OpenAIIngress:
         except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
-        choices = p.choice_requests(request)  # n > 1: one request per choice, each with its own telemetry
-        grants = await asyncio.gather(*(self._admit(f"{kind}-{uuid.uuid4().hex}", kind, c) for c in choices))
-        if any(g is not None and g.shed in ("queue_full", "deadline") for g in grants):
+        try:  # n > 1: one request per choice, each with its own telemetry
+            starts = await self._start_all(kind, p.choice_requests(request))
+        except _AtCapacity:
             return _error("the server is at capacity; retry shortly", code=503, kind="ServiceUnavailableError",
                           retry_after=_RETRY_AFTER_S)
-        try:
-            starts = await self._start_all(kind, choices, list(grants))
         except InvalidRequest as exc:
             return _invalid(exc)
         except ReplicaUnavailable as exc:
@@ -392,9 +394,10 @@ class OpenAIIngress:
         except Exception:
             logger.exception("generation failed before its first output")
             return _error("generation failed", code=500, kind="InternalServerError")
-        # As vllm serve names a response: the X-Request-Id header, else the body's request_id (vLLM's
-        # protocol model draws a random one when the client sends none)
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{raw.headers.get('x-request-id') or request.request_id}"
+        # Named as vllm serve names a response, from the client's id: the body's request_id if it sent one,
+        # else the X-Request-Id header (Serve's proxy adds one, its own id, when the client sent none)
+        client_id = request.request_id if "request_id" in request.model_fields_set else raw.headers.get("x-request-id")
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{client_id or request.request_id}"
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -466,11 +469,26 @@ class OpenAIIngress:
                 raise
         raise AssertionError("unreachable")
 
-    async def _start_all(self, kind: str, choices: list[Any], grants: list[Grant | None]) -> list[tuple[Any, Any]]:
-        """``_start`` for each choice's request; if one cannot start, none goes on."""
+    async def _admit_and_start(self, kind: str, request: Any, own_call_ids: bool = False) -> tuple[Any, Any]:
+        if own_call_ids:
+            # Serve names every handle call after the HTTP request it is made for, and its router tracks calls
+            # by that name: the choices of one request, sent at once, must not share it (they hung when they did)
+            from ray.serve import context
+            from ray.serve._private.utils import generate_request_id
+
+            parent = context._get_serve_request_context()
+            context._serve_request_context.set(dataclasses.replace(parent, _internal_request_id=generate_request_id()))
+        grant = await self._admit(f"{kind}-{uuid.uuid4().hex}", kind, request)
+        if grant is not None and grant.shed in ("queue_full", "deadline"):
+            raise _AtCapacity
+        return await self._start(kind, request, grant)
+
+    async def _start_all(self, kind: str, choices: list[Any]) -> list[tuple[Any, Any]]:
+        """Admit and start each choice's request; if one cannot start, none goes on."""
         if len(choices) == 1:
-            return [await self._start(kind, choices[0], grants[0])]
-        started = await asyncio.gather(*(self._start(kind, c, g) for c, g in zip(choices, grants)),
+            return [await self._admit_and_start(kind, choices[0])]
+        # gather runs each in a task of its own, so each sets its own Serve request context
+        started = await asyncio.gather(*(self._admit_and_start(kind, c, own_call_ids=True) for c in choices),
                                        return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:

@@ -130,3 +130,20 @@ def test_ray_request_router_api_we_use_is_still_there():
     from ray.serve.config import RequestRouterConfig
 
     assert "register_pickle_by_value(request_router_module)" in inspect.getsource(RequestRouterConfig)
+
+
+def test_serve_request_context_we_rename_for_each_choice_is_still_there():
+    """deployments/openai_api.py gives each of a request's n choices a Serve call id of its own: handle calls
+    take it from the request context (``internal_request_id``), and the router tracks calls by it."""
+    import dataclasses
+    import inspect
+
+    from ray.serve import context
+    from ray.serve._private import default_impl
+    from ray.serve._private.utils import generate_request_id
+
+    assert "_internal_request_id" in {f.name for f in dataclasses.fields(context._RequestContext)}
+    assert context._serve_request_context.name and callable(context._get_serve_request_context)
+    assert "internal_request_id=_request_context._internal_request_id" in inspect.getsource(
+        default_impl.get_request_metadata)
+    assert generate_request_id() != generate_request_id()
