@@ -20,6 +20,8 @@ Pairs (``--pairs``):
 - ``same-block``: ``matched`` with ``vllm serve`` given our KV block size (with pruning on, our CPU
   engine uses smaller blocks than vLLM's CPU default). Against ``matched`` it splits what the block
   size costs from what our serving path and layers cost.
+- ``unpinned``: ``matched`` with ``engine.pin_cores: false`` (our engine process floats over every core,
+  as before it took a core of its own). Against ``matched`` it shows what pinning gives.
 
 Data sets (``--sets``), all ``--ignore-eos`` to a fixed output length: a decode-speed measurement, the
 same number of tokens on both sides (``vllm bench serve`` random data has no natural end anyway):
@@ -182,9 +184,9 @@ def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str) -> tupl
     plain = {"VLLM_PLUGINS": ""}  # a user's vLLM has no plugin of ours
     if pair == "defaults":
         return Server("ours", ours_argv, 8100), Server("vllm", vllm_argv, 8200, env=plain)
-    if pair in ("matched", "layers-off", "same-block"):
+    if pair in ("matched", "layers-off", "same-block", "unpinned"):
         engine = {"enforce_eager": False, "dtype": dtype, "max_model_len": 8192, "max_num_seqs": 16,
-                  "kv_cache_space_gib": KV_CACHE_GIB}
+                  "kv_cache_space_gib": KV_CACHE_GIB, **({"pin_cores": False} if pair == "unpinned" else {})}
         vllm_argv += ["--dtype", dtype, "--max-model-len", "8192", "--max-num-seqs", "16"]
         if pair == "same-block":
             from workers.config import CPU_PRUNING_BLOCK_SIZE
@@ -260,7 +262,7 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"],
-                        choices=["defaults", "matched", "layers-off", "same-block"])
+                        choices=["defaults", "matched", "layers-off", "same-block", "unpinned"])
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
