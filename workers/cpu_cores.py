@@ -3,8 +3,9 @@
 Why: on CPU the engine's step is one thread (or ``cpu_threads`` OpenMP threads) that is busy the whole
 time the replica has work. Left to float, it shares its core with whatever wakes up next to it (Serve's
 proxy and replica event loops, which wake once per streamed delta); each wake-up preempts a step. vLLM's
-own CPU worker pins itself and leaves a core to its API server; pinned the same way, our engine thread
-stopped losing that time (docs/results/README.md, the serve rows).
+own CPU worker pins itself and leaves a core to its API server. Pinned alone, our engine ran no faster;
+with the serving path also kept off its core (``frontend_cores`` below) it did (docs/results/README.md,
+the serve rows).
 
 Each engine process claims ``count`` cores among those its process may run on (``sched_getaffinity``:
 the container's cpuset, or a ``taskset`` around the server) by holding a lock file per core for as long
