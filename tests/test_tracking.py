@@ -6,9 +6,19 @@ import pytest
 from workers.tracking import PriorityBoard, SequenceTrack
 
 
-def delta(entropy, completion_tokens, tau=0.0):
+def delta(entropy, completion_tokens, tau=0.0, stop_prob=None):
     return SimpleNamespace(entropy=entropy, temperature=[1.0] * len(entropy), completion_tokens=completion_tokens,
-                           entropic_time=tau, mean_entropy=0.0, token_ids=[0] * len(entropy))
+                           entropic_time=tau, mean_entropy=0.0, token_ids=[0] * len(entropy), stop_prob=stop_prob)
+
+
+def test_the_latest_stop_token_mass_reaches_the_summary():
+    track = SequenceTrack(arrival=0.0, last_progress=0.0, prompt_tokens=10, slo_s=30.0)
+    assert track.summary(now=0.0).stop_prob is None
+    track.observe(delta([1.0], 1, stop_prob=0.02), now=1.0, drop_weight=0.5)
+    track.observe(delta([0.5], 2), now=2.0, drop_weight=0.5)  # a delta without a reading keeps the last one
+    assert track.summary(now=2.0).stop_prob == 0.02
+    track.observe(delta([0.1], 3, stop_prob=0.6), now=3.0, drop_weight=0.5)
+    assert track.summary(now=3.0).stop_prob == 0.6
 
 
 def test_expected_drop_is_an_ewma_of_positive_drops_across_chunks():
