@@ -25,10 +25,12 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.messages import Admission, Grant
+from deployments import logprobs as lp
 from deployments import protocol as p
 from deployments.config import AppConfig
 from deployments.drain import DrainMiddleware
 from deployments.http_policy import PolicyMiddleware
+from deployments.tool_calls import ToolCalls
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -142,11 +144,58 @@ def _sse(payload: Any) -> str:
     return f"data: {body}\n\n"
 
 
-def _usage(last: list[Any]) -> p.UsageInfo:
-    """Over every choice's last delta: the prompt once, the completions summed (as vLLM counts n > 1)."""
+def _usage(last: list[Any], n: int) -> p.UsageInfo:
+    """Over every choice's last delta: each prompt once (choices come prompt by prompt, ``n`` each), the
+    completions summed, as vLLM counts them."""
+    prompt = sum(d.prompt_tokens for d in last[::n])
     completion = sum(d.completion_tokens for d in last)
-    return p.UsageInfo(prompt_tokens=last[0].prompt_tokens, completion_tokens=completion,
-                       total_tokens=last[0].prompt_tokens + completion)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _Choice:
+    """One choice's text and logprobs as the client asked for them, delta by delta: the prompt echoed before the
+    first piece (completions; chat echoes the last message when its role is the reply's, as vLLM does), and
+    logprobs in the endpoint's shape."""
+
+    def __init__(self, kind: str, request: Any, names: lp.TokenNames | None, echo_text: str | None) -> None:
+        self.kind = kind
+        self.top = lp.wanted(kind, request)
+        self.names = names
+        self.echo_text = echo_text  # None: nothing to echo, or already sent
+        self.echo_only = kind == "completion" and bool(request.echo) and request.max_tokens == 0
+        self.offset = 0  # completions' text_offset continues across stream chunks
+        self.prompt_positions: list[Any] = []  # vLLM's prompt_logprobs field, when asked for
+        self.tools = ToolCalls.of(kind, request)  # output constrained to tool calls
+        if self.tools is not None:
+            self.echo_text = None  # the reply is calls, not text to continue
+
+    def piece(self, delta: Any) -> tuple[str, Any]:
+        """(text, logprobs object or None) for this delta."""
+        if delta.prompt_logprobs:
+            self.prompt_positions += delta.prompt_logprobs
+        text, positions, first_ids = delta.text, list(delta.logprobs or []), list[int]()
+        if self.kind == "completion" and self.echo_text is not None:
+            if self.top is not None and not delta.prompt_logprobs and not delta.token_ids:
+                return "", None  # the prompt's logprobs come with its first token: echo them together
+            prompt = delta.prompt_logprobs or []
+            text = self.echo_text + ("" if self.echo_only else text)
+            positions = prompt + ([] if self.echo_only else positions)
+            first_ids = (delta.prompt_token_ids or [])[:1]
+            self.echo_text = None
+        elif self.echo_only:  # the token generated only to end the request is not part of the answer
+            text, positions = "", []
+        if self.top is None:
+            return text, None
+        assert self.names is not None
+        if self.kind == "chat":
+            return text, lp.chat(positions, self.top, self.names)
+        out, self.offset = lp.completion(positions, first_ids, self.names, self.offset)
+        return text, out
+
+    def take_echo(self) -> str:
+        """Chat: the echoed message, sent once, ahead of the reply."""
+        text, self.echo_text = self.echo_text or "", None
+        return text
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -377,8 +426,9 @@ class OpenAIIngress:
         except Exception as exc:  # a validator we did not foresee: still an error object, never a bare 500
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
-        try:  # n > 1: one request per choice, each with its own telemetry
-            starts = await self._start_all(kind, p.choice_requests(request))
+        per_choice = p.choice_requests(kind, request)
+        try:  # n > 1 or several prompts: one request per choice, each with its own telemetry
+            starts = await self._start_all(kind, per_choice)
         except _AtCapacity:
             return _error("the server is at capacity; retry shortly", code=503, kind="ServiceUnavailableError",
                           retry_after=_RETRY_AFTER_S)
@@ -399,12 +449,35 @@ class OpenAIIngress:
         client_id = request.request_id if "request_id" in request.model_fields_set else raw.headers.get("x-request-id")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{client_id or request.request_id}"
         created = int(time.time())
+        choices = await self._choices(kind, request, per_choice)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
-                self._sse(kind, request_id, created, starts, include_usage), media_type="text/event-stream"
+                self._sse(kind, request_id, created, starts, choices, include_usage, request.n or 1),
+                media_type="text/event-stream"
             )
-        return await self._full(kind, request_id, created, starts)
+        return await self._full(kind, request_id, created, starts, choices, request.n or 1)
+
+    async def _choices(self, kind: str, request: Any, per_choice: list[Any]) -> list[_Choice]:
+        """What each choice's deltas become; loads the tokenizer when logprobs or an echo need it."""
+        names, tokenizer = None, None
+        if lp.wanted(kind, request) is not None or (kind == "completion" and request.echo):
+            tokenizer = await self._get_tokenizer()
+            names = lp.TokenNames(lambda t: tokenizer.decode([t]), bool(request.return_tokens_as_token_ids))
+        return [_Choice(kind, one, names, self._echo(kind, one, tokenizer)) for one in per_choice]
+
+    @staticmethod
+    def _echo(kind: str, request: Any, tokenizer: Any) -> str | None:
+        """What ``echo`` prepends: a completion's prompt; for chat, the last message when its role is the reply's."""
+        if not request.echo:
+            return None
+        if kind == "completion":
+            [prompt] = p.prompts(request)
+            return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        last = dict(request.messages[-1])
+        role = "assistant" if request.add_generation_prompt else last.get("role")
+        content = last.get("content")
+        return content if last.get("role") == role and isinstance(content, str) and content else None
 
     async def _admit(self, key: str, kind: str, request: Any) -> Grant | None:
         """With dispatch on, wait in the controller's queue for a replica: the ``Grant`` (a replica, or shed).
@@ -538,35 +611,44 @@ class OpenAIIngress:
             for _, stream in starts:
                 stream.cancel()
 
-    async def _sse(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]], include_usage: bool):
+    async def _sse(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]], choices: list[_Choice],
+                   include_usage: bool, per_prompt: int):
         last = [first for first, _ in starts]
         try:
             if kind == "chat":
                 for i in range(len(starts)):
                     yield _sse(p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[
-                        p.ChatCompletionResponseStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))]))
+                        p.ChatCompletionResponseStreamChoice(
+                            index=i, delta=p.DeltaMessage(role="assistant", content=choices[i].take_echo()))]))
             async for i, delta in self._indexed(starts):
                 last[i] = delta
+                text, logprobs = choices[i].piece(delta)
                 if kind == "chat":
+                    tools, finish = choices[i].tools, delta.finish_reason
+                    message = p.DeltaMessage(content=text) if tools is None else tools.stream(text, delta.finished)
+                    if tools is not None and delta.finished:
+                        finish = tools.finish_reason(finish, tools.called)
                     choice = p.ChatCompletionResponseStreamChoice(
-                        index=i, delta=p.DeltaMessage(content=delta.text), finish_reason=delta.finish_reason,
-                        entropic=_chunk_entropic(delta))
+                        index=i, delta=message, logprobs=logprobs, finish_reason=finish, entropic=_chunk_entropic(delta))
                     chunk = p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                 else:
                     choice = p.CompletionResponseStreamChoice(
-                        index=i, text=delta.text, finish_reason=delta.finish_reason, entropic=_chunk_entropic(delta))
+                        index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
+                        entropic=_chunk_entropic(delta))
                     chunk = p.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                 yield _sse(chunk)
             if include_usage:
                 cls = p.ChatCompletionStreamResponse if kind == "chat" else p.CompletionStreamResponse
-                yield _sse(cls(id=rid, created=created, model=self.model_name, choices=[], usage=_usage(last)))
+                yield _sse(cls(id=rid, created=created, model=self.model_name, choices=[], usage=_usage(last, per_prompt)))
         except Exception as exc:  # mid-stream failure: tell the client in-band, then end the stream
             yield _sse(p.error_body(_failure_message(exc, rid), None, 500, "InternalServerError"))
         yield "data: [DONE]\n\n"
 
-    async def _full(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]]) -> Response:
+    async def _full(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]],
+                    views: list[_Choice], per_prompt: int) -> Response:
         n = len(starts)
-        text: list[list[str]] = [[] for _ in range(n)]
+        text: list[list[str]] = [[views[i].take_echo()] if kind == "chat" else [] for i in range(n)]
+        logprobs: list[list[Any]] = [[] for _ in range(n)]
         entropy: list[list[float]] = [[] for _ in range(n)]
         temperature: list[list[float]] = [[] for _ in range(n)]
         kv_blocks: list[list[list[int]]] = [[] for _ in range(n)]
@@ -574,7 +656,10 @@ class OpenAIIngress:
         try:
             async for i, delta in self._indexed(starts):
                 last[i] = delta
-                text[i].append(delta.text)
+                piece, piece_logprobs = views[i].piece(delta)
+                text[i].append(piece)
+                if piece_logprobs is not None:
+                    logprobs[i].append(piece_logprobs)
                 entropy[i] += delta.entropy
                 temperature[i] += delta.temperature
                 kv_blocks[i] += [list(kt) for kt in delta.kv_blocks]
@@ -587,13 +672,26 @@ class OpenAIIngress:
                         "entropy_variance": last[i].entropy_variance}
             if kv_blocks[i]:
                 entropic["kv_blocks"] = kv_blocks[i]
+            # vLLM's extra field, present whenever the engine computed them (prompt_logprobs, or echo with logprobs)
+            prompt = lp.prompt_field(views[i].prompt_positions) if views[i].prompt_positions else None
             if kind == "chat":
+                content, tools, finish = "".join(text[i]), views[i].tools, last[i].finish_reason
+                message = p.ChatMessage(role="assistant", content=content)
+                if tools is not None:
+                    calls = tools.calls(content)
+                    message = p.ChatMessage(role="assistant", content="", tool_calls=calls)
+                    finish = tools.finish_reason(finish, bool(calls))
                 choices.append(p.ChatCompletionResponseChoice(
-                    index=i, message=p.ChatMessage(role="assistant", content="".join(text[i])),
-                    finish_reason=last[i].finish_reason, entropic=entropic))
+                    index=i, message=message, logprobs=lp.merge_chat(logprobs[i]), finish_reason=finish,
+                    entropic=entropic))
             else:
                 choices.append(p.CompletionResponseChoice(
-                    index=i, text="".join(text[i]), finish_reason=last[i].finish_reason, entropic=entropic))
-        cls = p.ChatCompletionResponse if kind == "chat" else p.CompletionResponse
-        body = cls(id=rid, created=created, model=self.model_name, choices=choices, usage=_usage(last))
+                    index=i, text="".join(text[i]), logprobs=lp.merge_completion(logprobs[i]),
+                    finish_reason=last[i].finish_reason, prompt_logprobs=prompt, entropic=entropic))
+        if kind == "chat":
+            body = p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                            usage=_usage(last, per_prompt), prompt_logprobs=prompt)
+        else:
+            body = p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                        usage=_usage(last, per_prompt))
         return JSONResponse(body.model_dump(mode="json"))

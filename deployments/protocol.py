@@ -75,12 +75,9 @@ class EntropicCompletionRequest(CompletionRequest):
 REQUEST_MODELS: dict[str, Any] = {"chat": EntropicChatCompletionRequest, "completion": EntropicCompletionRequest}
 
 _UNSUPPORTED = {
-    "tools": "tool calling is not supported",
     "use_beam_search": "beam search is not supported",
-    "echo": "echo is not supported",
     "suffix": "suffix is not supported",
-    "logprobs": "logprobs are not supported yet",
-    "prompt_logprobs": "prompt_logprobs are not supported yet",
+    "logprob_token_ids": "logprob_token_ids are not supported: logprobs name the top tokens",
     # vLLM's server refuses these unless started with --trust-request-chat-template /
     # --logits-processors; this server renders every chat with the model's own template and runs
     # only its own processors, and says so instead of ignoring them
@@ -149,7 +146,8 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
         raise ModelNotFound(request.model, served_model)
     for field in ("max_tokens", "max_completion_tokens"):
         value = getattr(request, field, None)
-        if value is not None and value <= 0:
+        if value is not None and value <= 0 and not (value == 0 and kind == "completion" and request.echo):
+            # max_tokens 0 with echo scores the prompt alone (lm-eval's loglikelihood requests), as in vLLM
             raise InvalidRequest(f"{field} must be at least 1, got {value}", field)
     if request.temperature is not None and request.temperature < 0:
         raise InvalidRequest(f"temperature must be non-negative, got {request.temperature}", "temperature")
@@ -161,10 +159,11 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
     if kind == "chat":
         if not request.messages:
             raise InvalidRequest("messages must not be empty", "messages")
-    elif request.prompt in (None, "", []):
+    elif request.prompt in (None, "", []) or (isinstance(request.prompt, list) and any(
+            q in ("", []) for q in request.prompt if not isinstance(q, int))):
         raise InvalidRequest("prompt must not be empty", "prompt")
-    elif isinstance(request.prompt, list) and len(request.prompt) > 1 and not isinstance(request.prompt[0], int):
-        raise InvalidRequest("one prompt per request is supported", "prompt")
+    elif len(prompts(request)) * (request.n or 1) > MAX_CHOICES:
+        raise InvalidRequest(f"prompts times n must be at most {MAX_CHOICES}", "prompt")
     return request
 
 
@@ -182,9 +181,7 @@ def _validate(model: Any, body: Any) -> Any:
 
 
 _TOKENIZE_UNSUPPORTED = {
-    "tools": "tool calling is not supported",
     "chat_template": _UNSUPPORTED["chat_template"],
-    "continue_final_message": "continue_final_message is not supported",
     "mm_processor_kwargs": "this server serves text models only",
     "media_io_kwargs": "this server serves text models only",
 }
@@ -212,14 +209,25 @@ def parse_detokenize(body: Any, served_model: str) -> Any:
 MAX_CHOICES = 64
 
 
-def choice_requests(request: Any) -> list[Any]:
-    """One request per choice: ``n`` copies with n = 1, choice i seeded ``seed + i`` when a seed is given
-    (else each draws its own), so every choice has its own telemetry and temperature-law state."""
+def prompts(request: Any) -> list[Any]:
+    """A completion request's prompts, each a string or a list of token ids (a batch, as vLLM takes one)."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return list(prompt)
+    return [prompt]
+
+
+def choice_requests(kind: str, request: Any) -> list[Any]:
+    """One request per choice, in vLLM's order (prompt by prompt, then ``n`` choices each): each has one prompt
+    and n = 1, choice i of a prompt seeded ``seed + i`` when a seed is given (else each draws its own), so every
+    choice has its own telemetry and temperature-law state."""
     n = request.n or 1
-    if n == 1:
+    batch = prompts(request) if kind == "completion" else [None]
+    if n == 1 and len(batch) == 1:
         return [request]
-    return [request.model_copy(update={"n": 1, "seed": None if request.seed is None else request.seed + i})
-            for i in range(n)]
+    return [request.model_copy(update={"n": 1, "seed": None if request.seed is None else request.seed + i,
+                                       **({"prompt": prompt} if prompt is not None else {})})
+            for prompt in batch for i in range(n)]
 
 
 def overrides(request: Any) -> dict[str, Any] | None:

@@ -301,6 +301,20 @@ def test_n_choices_each_carry_their_own_telemetry_and_usage_adds_up(client, serv
     assert tokens == {0: 6, 1: 6} and finished == {0, 1} and usage.completion_tokens == 12
 
 
+def test_a_batch_of_prompts_answers_each_in_order_as_vllm_does(client, served_model):
+    prompts = ["The capital of France is", "Once upon a time"]
+    out = client.completions.create(model=served_model, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    ones = [client.completions.create(model=served_model, prompt=q, max_tokens=4, temperature=0) for q in prompts]
+    assert out.choices[0].text == out.choices[1].text == ones[0].choices[0].text  # greedy: prompt 0's choices
+    assert out.choices[2].text == out.choices[3].text == ones[1].choices[0].text
+    assert out.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in ones)  # each prompt counted once
+    assert out.usage.completion_tokens == sum(len(_entropic(c)["entropy"]) for c in out.choices)
+    ids = client.completions.create(model=served_model, prompt=[[504, 3575, 282], [504, 3575]], max_tokens=2,
+                                    temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
 @pytest.mark.parametrize("n", [0, 65])
 def test_n_out_of_range_gets_400(server, served_model, n):
     response = httpx.post(f"{server}/v1/chat/completions", json={"model": served_model, "messages": FACT_PROMPT,
@@ -331,8 +345,8 @@ def test_tokenize_counts_what_generation_counts_and_detokenize_inverts_it(server
     assert text == {"prompt": "Entropy is a measure."}
     for path, body, param in (("/detokenize", {"tokens": [10**9]}, "tokens"),
                               ("/detokenize", {"tokens": [-1]}, "tokens"),
-                              ("/tokenize", {"messages": FACT_PROMPT, "tools": [{"type": "function",
-                                             "function": {"name": "f"}}]}, "tools"),
+                              ("/tokenize", {"messages": FACT_PROMPT, "chat_template": "{{ messages }}"},
+                               "chat_template"),
                               ("/tokenize", {}, "prompt")):
         response = httpx.post(f"{server}{path}", json=body, timeout=60)
         assert response.status_code == 400, (body, response.text)

@@ -15,6 +15,8 @@ Every touch of a vLLM internal, and where it is:
   Triton attention backends and the backend registry (``tests/test_pruning_gpu_path.py`` too).
 - ``workers/prompts.py``, ``deployments/protocol.py``: the OpenAI protocol models, ``to_sampling_params``,
   ``resolve_chat_template_kwargs``.
+- ``workers/engine.py``, ``deployments/logprobs.py``: ``RequestOutput`` logprobs (per position, token id ->
+  ``Logprob``, the position's own token first) and ``EngineArgs.logprobs_mode``.
 """
 import inspect
 
@@ -51,6 +53,24 @@ def test_engine_and_protocol_entry_points():
     assert list(add)[:4] == ["self", "request_id", "prompt", "params"]
     for name in ("step", "abort_request", "has_unfinished_requests", "get_tokenizer"):
         assert hasattr(LLMEngine, name), name
+
+
+def test_logprobs_entry_points():
+    from vllm import EngineArgs, SamplingParams
+    from vllm.logprobs import Logprob, append_logprobs_for_next_position
+
+    assert {"logprob", "rank", "decoded_token"} <= set(Logprob.__dataclass_fields__)
+    position: list = []
+    append_logprobs_for_next_position(position, [7, 3, 7], [-2.0, -0.1, -2.0], ["a", "b", "a"], rank=2, num_logprobs=2)
+    assert list(position[0]) == [7, 3] and position[0][7].rank == 2  # own token first, then the top ranks
+    assert "logprobs_mode" in EngineArgs.__dataclass_fields__
+    # Prompt logprobs must be asked for when the params are built: vLLM then skips reading the prefix cache for
+    # the request. Set afterwards (as this repository once did), the cached positions were never computed and
+    # came back as uninitialized token ids, which crashed detokenization on repeated long prompts.
+    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
+    late = SamplingParams()
+    late.prompt_logprobs = 0
+    assert late.skip_reading_prefix_cache is False
 
 
 def test_tokenize_entry_points():

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -42,6 +42,10 @@ class EngineConfig(BaseModel):
     pin_cores: bool = Field(True, description="CPU only: each engine process takes cpu_threads cores of its node "
                             "for itself, never the lowest one, which stays with the serving path "
                             "(workers/cpu_cores.py); False, or too few free cores: the engine floats")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
+        "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "
+        "law, top-k/top-p and any pruning; raw_logprobs, the model's before any of them (vLLM's default)")
     extra: dict[str, Any] = Field(default_factory=dict, description="more vllm EngineArgs, passed as given")
 
     @field_validator("extra")
@@ -68,6 +72,7 @@ class EngineConfig(BaseModel):
             dtype=resolve_dtype(self.dtype, on_gpu),
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
+            logprobs_mode=self.logprobs_mode,
             disable_log_stats=False,
         )
         if self.max_num_batched_tokens is not None:

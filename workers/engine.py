@@ -60,6 +60,12 @@ def configure_process_env(cpu_threads: int, kv_cache_space_gib: int) -> None:
     torch.set_num_threads(cpu_threads)
 
 
+# One position's logprobs as vLLM returned them, as plain data: (token id, logprob, rank, decoded text) for the
+# position's own token first, then the top tokens by rank (vLLM's order; the own token appears once if it is
+# among them). Logprobs are of the engine's ``logprobs_mode`` distribution (workers/config.py).
+PositionLogprobs = tuple[tuple[int, float, "int | None", "str | None"], ...]
+
+
 @dataclass
 class Delta:
     """What one engine step produced for one request (picklable: crosses Serve handles)."""
@@ -77,6 +83,10 @@ class Delta:
     entropy_variance: float
     kv_blocks: list[tuple[int, int]] = field(default_factory=list)  # (kept, total) per pruned-path decode step
     stop_prob: float | None = None  # probability mass on stop tokens at the latest step (telemetry)
+    logprobs: list[PositionLogprobs] | None = None  # one per new token, when the params asked for logprobs
+    # The prompt's, when the params asked for prompt_logprobs (the first position has none); arrives once
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the first position's token has no logprob
 
 
 @dataclass
@@ -362,6 +372,10 @@ class EngineRunner:
             entropy_variance=stream.trace.variance,
             kv_blocks=kv_blocks,
             stop_prob=self.processor.stop_prob(stream.key) if self.processor is not None else None,
+            logprobs=None if completion.logprobs is None else [_position(p) for p in completion.logprobs],
+            prompt_logprobs=None if not output.prompt_logprobs else [
+                None if p is None else _position(p) for p in output.prompt_logprobs],
+            prompt_token_ids=list(output.prompt_token_ids or []) if output.prompt_logprobs else None,
         )
         if output.finished:
             self._streams.pop(output.request_id, None)
@@ -393,6 +407,10 @@ def name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+
+
+def _position(entry: Any) -> PositionLogprobs:
+    return tuple((token_id, lp.logprob, lp.rank, lp.decoded_token) for token_id, lp in entry.items())
 
 
 def _surprisal(entry: Any) -> float | None:

