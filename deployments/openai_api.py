@@ -165,6 +165,10 @@ class _Choice:
         self.echo_only = kind == "completion" and bool(request.echo) and request.max_tokens == 0
         self.offset = 0  # completions' text_offset continues across stream chunks
         self.prompt_positions: list[Any] = []  # vLLM's prompt_logprobs field, when asked for
+        self.prompt_ids: list[int] = []  # the prompt as the engine saw it (the first delta brings it)
+        self.token_ids = bool(request.return_token_ids)  # vLLM's return_token_ids: the ids beside the text
+        self.generated: list[int] = []
+        self._ids_sent = False
         self.tools = ToolCalls.of(kind, request)  # output constrained to tool calls
         if self.tools is not None:
             self.echo_text = None  # the reply is calls, not text to continue
@@ -173,6 +177,9 @@ class _Choice:
         """(text, logprobs object or None) for this delta."""
         if delta.prompt_logprobs:
             self.prompt_positions += delta.prompt_logprobs
+        if delta.prompt_token_ids is not None:
+            self.prompt_ids = delta.prompt_token_ids
+        self.generated += delta.token_ids
         text, positions, first_ids = delta.text, list(delta.logprobs or []), list[int]()
         if self.kind == "completion" and self.echo_text is not None:
             if self.top is not None and not delta.prompt_logprobs and not delta.token_ids:
@@ -180,7 +187,7 @@ class _Choice:
             prompt = delta.prompt_logprobs or []
             text = self.echo_text + ("" if self.echo_only else text)
             positions = prompt + ([] if self.echo_only else positions)
-            first_ids = (delta.prompt_token_ids or [])[:1]
+            first_ids = self.prompt_ids[:1]
             self.echo_text = None
         elif self.echo_only:  # the token generated only to end the request is not part of the answer
             text, positions = "", []
@@ -191,6 +198,13 @@ class _Choice:
             return text, lp.chat(positions, self.top, self.names)
         out, self.offset = lp.completion(positions, first_ids, self.names, self.offset)
         return text, out
+
+    def prompt_ids_once(self, first: Any) -> list[int] | None:
+        """With return_token_ids, the prompt's ids for the stream's first chunk of this choice, else None."""
+        if not self.token_ids or self._ids_sent:
+            return None
+        self._ids_sent = True
+        return first.prompt_token_ids
 
     def take_echo(self) -> str:
         """Chat: the echoed message, sent once, ahead of the reply."""
@@ -616,9 +630,10 @@ class OpenAIIngress:
         last = [first for first, _ in starts]
         try:
             if kind == "chat":
-                for i in range(len(starts)):
-                    yield _sse(p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[
-                        p.ChatCompletionResponseStreamChoice(
+                for i, (first, _) in enumerate(starts):
+                    yield _sse(p.ChatCompletionStreamResponse(
+                        id=rid, created=created, model=self.model_name, prompt_token_ids=choices[i].prompt_ids_once(first),
+                        choices=[p.ChatCompletionResponseStreamChoice(
                             index=i, delta=p.DeltaMessage(role="assistant", content=choices[i].take_echo()))]))
             async for i, delta in self._indexed(starts):
                 last[i] = delta
@@ -629,12 +644,14 @@ class OpenAIIngress:
                     if tools is not None and delta.finished:
                         finish = tools.finish_reason(finish, tools.called)
                     choice = p.ChatCompletionResponseStreamChoice(
-                        index=i, delta=message, logprobs=logprobs, finish_reason=finish, entropic=_chunk_entropic(delta))
+                        index=i, delta=message, logprobs=logprobs, finish_reason=finish, entropic=_chunk_entropic(delta),
+                        token_ids=delta.token_ids if choices[i].token_ids else None)
                     chunk = p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                 else:
                     choice = p.CompletionResponseStreamChoice(
                         index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
-                        entropic=_chunk_entropic(delta))
+                        entropic=_chunk_entropic(delta), prompt_token_ids=choices[i].prompt_ids_once(delta),
+                        token_ids=delta.token_ids if choices[i].token_ids else None)
                     chunk = p.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                 yield _sse(chunk)
             if include_usage:
@@ -683,14 +700,17 @@ class OpenAIIngress:
                     finish = tools.finish_reason(finish, bool(calls))
                 choices.append(p.ChatCompletionResponseChoice(
                     index=i, message=message, logprobs=lp.merge_chat(logprobs[i]), finish_reason=finish,
-                    entropic=entropic))
+                    entropic=entropic, token_ids=views[i].generated if views[i].token_ids else None))
             else:
                 choices.append(p.CompletionResponseChoice(
                     index=i, text="".join(text[i]), logprobs=lp.merge_completion(logprobs[i]),
-                    finish_reason=last[i].finish_reason, prompt_logprobs=prompt, entropic=entropic))
+                    finish_reason=last[i].finish_reason, prompt_logprobs=prompt, entropic=entropic,
+                    token_ids=views[i].generated if views[i].token_ids else None,
+                    prompt_token_ids=views[i].prompt_ids if views[i].token_ids else None))
         if kind == "chat":
             body = p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                            usage=_usage(last, per_prompt), prompt_logprobs=prompt)
+                                            usage=_usage(last, per_prompt), prompt_logprobs=prompt,
+                                            prompt_token_ids=views[0].prompt_ids if views[0].token_ids else None)
         else:
             body = p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                         usage=_usage(last, per_prompt))

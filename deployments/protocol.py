@@ -78,12 +78,31 @@ _UNSUPPORTED = {
     "use_beam_search": "beam search is not supported",
     "suffix": "suffix is not supported",
     "logprob_token_ids": "logprob_token_ids are not supported: logprobs name the top tokens",
+    "prompt_embeds": "this server serves text models only",
+    "mm_processor_kwargs": "this server serves text models only",
+    "media_io_kwargs": "this server serves text models only",
+    "return_mm_kwargs": "this server serves text models only",
+    "return_token_offsets": "return_token_offsets is offered by vLLM's render endpoints only",
+    "return_prompt_text": "return_prompt_text is not supported",
+    "reasoning_effort": "reasoning_effort needs a reasoning parser, and this server runs none",
+    "session_id": "session_id is not supported",
     # vLLM's server refuses these unless started with --trust-request-chat-template /
     # --logits-processors; this server renders every chat with the model's own template and runs
     # only its own processors, and says so instead of ignoring them
     "chat_template": "a chat template per request is not accepted: the model's own template renders every chat",
     "logits_processors": "logits processors per request are not accepted",
 }
+
+
+# Fields whose other values need what this server does not run (vLLM refuses a nonzero priority, too, unless
+# started with priority scheduling)
+_ONLY_DEFAULT = (
+    ("priority", 0, "this server orders requests by its own priority π (docs/scheduling.md); a client priority "
+                    "is not accepted"),
+    ("length_penalty", 1.0, "length_penalty applies to beam search, which is not supported"),
+    ("include_reasoning", True, "include_reasoning needs a reasoning parser, and this server runs none"),
+    ("mm_payload", "tensors", "this server serves text models only"),
+)
 
 
 class ModelNotFound(InvalidRequest):
@@ -156,15 +175,36 @@ def parse_request(kind: str, body: Any, served_model: str) -> Any:
     for field, message in _UNSUPPORTED.items():
         if getattr(request, field, None):
             raise InvalidRequest(message, field)
+    for field, default, message in _ONLY_DEFAULT:
+        if getattr(request, field, default) != default:
+            raise InvalidRequest(message, field)
     if kind == "chat":
         if not request.messages:
             raise InvalidRequest("messages must not be empty", "messages")
+        _materialize(request.messages)
     elif request.prompt in (None, "", []) or (isinstance(request.prompt, list) and any(
             q in ("", []) for q in request.prompt if not isinstance(q, int))):
         raise InvalidRequest("prompt must not be empty", "prompt")
     elif len(prompts(request)) * (request.n or 1) > MAX_CHOICES:
         raise InvalidRequest(f"prompts times n must be at most {MAX_CHOICES}", "prompt")
     return request
+
+
+def _materialize(messages: list[Any]) -> None:
+    """Turn the lazily validated iterables of OpenAI's message types (a developer message's content parts, for
+    one) into lists: validated now, so a bad part is a 400 here, and picklable, so the request can travel to
+    a worker replica (a pydantic ValidatorIterator cannot)."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        for key, value in message.items():
+            if isinstance(value, (str, bytes, list, dict)) or not hasattr(value, "__iter__"):
+                continue
+            try:
+                message[key] = list(value)
+            except ValidationError as exc:
+                error = _most_telling([dict(e) for e in exc.errors()])
+                raise InvalidRequest(f"messages[{i}].{key}: {error['msg']}", f"messages[{i}].{key}") from None
 
 
 def _validate(model: Any, body: Any) -> Any:
@@ -196,6 +236,8 @@ def parse_tokenize(body: Any, served_model: str) -> Any:
     for field, message in _TOKENIZE_UNSUPPORTED.items():
         if getattr(request, field, None):
             raise InvalidRequest(message, field)
+    if chat:
+        _materialize(request.messages)
     return request
 
 

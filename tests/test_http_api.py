@@ -214,6 +214,13 @@ BAD_REQUESTS = [
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"entropy_low": 4, "entropy_high": 1}}}, "entropic"),
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"blocks": 3}}}, "entropic.pruning.blocks"),
     ("chat", {"messages": "not a list"}, "messages"),
+    # vLLM fields this server does not honour: refused by name, never parsed and ignored
+    ("chat", {"messages": FACT_PROMPT, "priority": 3}, "priority"),
+    ("completion", {"prompt": "x", "session_id": "s-1"}, "session_id"),
+    ("chat", {"messages": FACT_PROMPT, "reasoning_effort": "low"}, "reasoning_effort"),
+    ("chat", {"messages": FACT_PROMPT, "include_reasoning": False}, "include_reasoning"),
+    ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("completion", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
 ]
 
 
@@ -313,6 +320,26 @@ def test_a_batch_of_prompts_answers_each_in_order_as_vllm_does(client, served_mo
     ids = client.completions.create(model=served_model, prompt=[[504, 3575, 282], [504, 3575]], max_tokens=2,
                                     temperature=0)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_token_ids_truncation_and_salt_as_vllm_takes_them(server, client, served_model):
+    text = "The grass is green and the sky is blue."
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+    out = client.completions.create(model=served_model, prompt=text, max_tokens=3, temperature=0,
+                                    extra_body={"return_token_ids": True, "cache_salt": "tenant-a"})
+    choice = out.choices[0].model_extra
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == out.usage.completion_tokens
+    chunks = list(client.completions.create(model=served_model, prompt=text, max_tokens=3, temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True}))
+    assert [c.choices[0].model_extra["prompt_token_ids"] for c in chunks if c.choices][0] == ids
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == choice["token_ids"]
+    cut = client.completions.create(model=served_model, prompt=text, max_tokens=1, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 4, "return_token_ids": True})
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].model_extra["prompt_token_ids"] == ids[-4:]
+    chat = client.chat.completions.create(model=served_model, messages=FACT_PROMPT, max_tokens=2, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
 
 
 @pytest.mark.parametrize("n", [0, 65])

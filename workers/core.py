@@ -118,7 +118,7 @@ class ReplicaCore:
             pruning = self.config.pruning.merged(pruning_overrides)
         except ValueError as exc:
             raise InvalidRequest(f"invalid entropic parameters: {exc}", "entropic") from None
-        ids = prompt_token_ids(kind, request, self.runner.tokenizer)
+        ids = prompt_token_ids(kind, request, self.runner.tokenizer, self.runner.max_model_len)
         if not ids:
             raise InvalidRequest("the prompt is empty", "messages" if kind == "chat" else "prompt")
         if key is None or key in self._active:
@@ -129,7 +129,10 @@ class ReplicaCore:
         now = time.monotonic()
         track = self._active[key] = SequenceTrack(now, now, len(ids), self.scheduling.slo_s, params.max_tokens)
         try:
-            async for delta in self.runner.generate(key, {"prompt_token_ids": ids}, params, len(ids)):
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
+            if request.cache_salt:  # a prefix cache of its own for those who share the salt, as in vLLM
+                prompt["cache_salt"] = request.cache_salt
+            async for delta in self.runner.generate(key, prompt, params, len(ids)):
                 track.observe(delta, time.monotonic(), self.scheduling.drop_ewma)
                 if delta.finish_reason in ("stop", "length"):  # how long it really was: the predictor's label
                     self._finished[key] = delta.completion_tokens

@@ -86,7 +86,7 @@ class Delta:
     logprobs: list[PositionLogprobs] | None = None  # one per new token, when the params asked for logprobs
     # The prompt's, when the params asked for prompt_logprobs (the first position has none); arrives once
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the first position's token has no logprob
+    prompt_token_ids: list[int] | None = None  # the prompt as the engine saw it, on the request's first delta
 
 
 @dataclass
@@ -100,6 +100,7 @@ class _Stream:
     trace: EntropyTrace = field(default_factory=EntropyTrace)
     pruning: dict[str, Any] | None = None  # the request's pruning args (workers.pruning_state)
     prompt_surprisal_seen: int = 0
+    prompt_sent: bool = False
 
 
 # (step wall seconds, estimator seconds in that step, deltas the step produced, whether the step only
@@ -357,6 +358,7 @@ class EngineRunner:
         if stream.pruning is not None:
             self._feed_surprisal(stream, output, completion)
             kv_blocks = PRUNING.drain_kept(stream.key)
+        first, stream.prompt_sent = not stream.prompt_sent, True
         stream.emitted += len(new_ids)
         delta = Delta(
             token_ids=new_ids,
@@ -375,7 +377,7 @@ class EngineRunner:
             logprobs=None if completion.logprobs is None else [_position(p) for p in completion.logprobs],
             prompt_logprobs=None if not output.prompt_logprobs else [
                 None if p is None else _position(p) for p in output.prompt_logprobs],
-            prompt_token_ids=list(output.prompt_token_ids or []) if output.prompt_logprobs else None,
+            prompt_token_ids=list(output.prompt_token_ids or []) if first else None,
         )
         if output.finished:
             self._streams.pop(output.request_id, None)

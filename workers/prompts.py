@@ -79,6 +79,8 @@ def render_chat(request: Any, tokenizer: Any) -> str:
     tools = getattr(request, "tools", None)
     if tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    if getattr(request, "documents", None):
+        kwargs["documents"] = request.documents
     try:
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
@@ -88,20 +90,32 @@ def render_chat(request: Any, tokenizer: Any) -> str:
         raise InvalidRequest(f"the chat template could not render these messages: {exc}", "messages") from None
 
 
-def prompt_token_ids(kind: str, request: Any, tokenizer: Any) -> list[int]:
+def prompt_token_ids(kind: str, request: Any, tokenizer: Any, max_model_len: int | None = None) -> list[int]:
+    """The prompt the engine gets: the chat rendered, or the text encoded (``add_special_tokens`` as the request
+    says: vLLM's defaults are off for chat, whose template adds them, and on for completions), then cut to
+    ``truncate_prompt_tokens`` (-1: the context less one token) from ``truncation_side``, as vLLM does."""
     if kind == "chat":
-        return encode(tokenizer, render_chat(request, tokenizer), False, "messages")
-    prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return encode(tokenizer, prompt, True, "prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        vocab = len(tokenizer)
-        if any(not 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"token ids must be in [0, {vocab})", "prompt")
-        return list(prompt)
-    raise InvalidRequest("prompt must be one non-empty string or one list of token ids", "prompt")
+        ids = encode(tokenizer, render_chat(request, tokenizer), request.add_special_tokens, "messages")
+    else:
+        prompt = request.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = encode(tokenizer, prompt, request.add_special_tokens, "prompt")
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = len(tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise InvalidRequest(f"token ids must be in [0, {vocab})", "prompt")
+            ids = list(prompt)
+        else:
+            raise InvalidRequest("prompt must be one non-empty string or one list of token ids", "prompt")
+    keep = request.truncate_prompt_tokens
+    if keep is not None and keep < 0 and max_model_len is not None:
+        keep = max_model_len - 1
+    if keep is None or keep < 0 or keep >= len(ids):
+        return ids
+    side = request.truncation_side or getattr(tokenizer, "truncation_side", "left")
+    return ids[len(ids) - keep:] if side == "left" else ids[:keep]
 
 
 def _constrained_to_tool_calls(request: Any) -> Any:
