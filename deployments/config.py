@@ -50,6 +50,10 @@ class AppConfig(ReplicaConfig):
                                    "in flight may run on while new ones get 503, before Serve shuts down")
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body the ingress reads; "
                                    "larger ones get 413")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="a generation request's deadline, from its arrival: past it, 408 with an OpenAI error "
+        "object if nothing was sent yet, else an in-band error ending the stream, and the engine frees its slot. "
+        "None: no deadline, as vllm serve")
     num_cpus_per_replica: float = Field(1.0, ge=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)
     request_router: Literal["power_of_two", "soonest_served"] = Field(

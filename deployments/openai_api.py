@@ -15,7 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,33 +44,48 @@ app.add_middleware(PolicyMiddleware)  # added last, so outermost: CORS and keys 
 
 
 # The handlers read their bodies themselves (to bound their size and answer every mistake in the OpenAI
-# shape), so FastAPI cannot see them: the schema declares them from the models they are parsed with.
-_BODY_MODELS = ("EntropicChatCompletionRequest", "EntropicCompletionRequest", "TokenizeCompletionRequest",
-                "TokenizeChatRequest", "DetokenizeRequest", "ErrorResponse")
+# shape), so FastAPI cannot see them: the schema declares them from the models they are parsed with, and the
+# answers from the models they are written with.
+_REQUEST_MODELS = ("EntropicChatCompletionRequest", "EntropicCompletionRequest", "TokenizeCompletionRequest",
+                   "TokenizeChatRequest", "DetokenizeRequest")
+_RESPONSE_MODELS = ("EntropicChatResponse", "EntropicChatStreamResponse", "EntropicCompletionResponse",
+                    "EntropicCompletionStreamResponse", "TokenizeResponse", "DetokenizeResponse", "ErrorResponse")
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _body(*models: str) -> dict[str, Any]:
+def _body(*models: str, answer: str, chunk: str | None = None) -> dict[str, Any]:
+    """The operation's request body (any of ``models``), its answer, and with ``chunk`` its SSE stream: each
+    ``data:`` line one ``chunk`` object, then ``data: [DONE]``."""
     schema = _ref(models[0]) if len(models) == 1 else {"anyOf": [_ref(m) for m in models]}
     error = {"description": "OpenAI error object", "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    ok: dict[str, Any] = {"description": "the answer", "content": {"application/json": {"schema": _ref(answer)}}}
+    if chunk is not None:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": (
+            f"with stream: true, server-sent events: each `data:` line a {chunk} (#/components/schemas/{chunk}), "
+            "the last `data: [DONE]`")}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-            "responses": {"400": error, "404": error}}
+            "responses": {"200": ok, "400": error, "404": error}}
 
 
 def _openapi() -> dict[str, Any]:
-    """FastAPI's schema plus the request models the handlers parse (vLLM's protocol models, ours on top)."""
+    """FastAPI's schema plus the models the handlers parse and answer with (vLLM's protocol models, ours on top)."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
+        from pydantic.json_schema import models_json_schema
 
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for name in _BODY_MODELS:
-            model_schema = getattr(p, name).model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(model_schema.pop("$defs", {}))
-            components[name] = model_schema
+        models: list[tuple[Any, Literal["validation", "serialization"]]] = [
+            (getattr(p, n), "validation") for n in _REQUEST_MODELS]
+        models += [(getattr(p, n), "serialization") for n in _RESPONSE_MODELS]
+        refs, generated = models_json_schema(models, ref_template="#/components/schemas/{model}")
+        components.update(generated.get("$defs", {}))
+        for (model, mode), name in zip(models, _REQUEST_MODELS + _RESPONSE_MODELS):
+            ref = refs[(model, mode)]["$ref"].rsplit("/", 1)[-1]
+            components[name] = components[ref] if ref == name else {"$ref": f"#/components/schemas/{ref}"}
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -92,6 +107,33 @@ def _invalid(exc: InvalidRequest) -> JSONResponse:
 
 class _AtCapacity(Exception):
     """The controller's queue shed a request (full, or past its deadline)."""
+
+
+class _DeadlineExceeded(Exception):
+    """The request ran past ``request_timeout_s``."""
+
+
+def _timed_out(timeout: float | None) -> dict[str, Any]:
+    return p.error_body(f"the request ran past its deadline of {timeout} s (request_timeout_s)", None, 408,
+                        "RequestTimeoutError")
+
+
+async def _until(items: AsyncIterator[Any], deadline: float | None) -> AsyncIterator[Any]:
+    """``items`` until the event loop's clock reaches ``deadline``, then ``_DeadlineExceeded``; the iterator is
+    closed by the cancellation, so its streams (and the engines' slots) are released."""
+    if deadline is None:
+        async for item in items:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            item = await asyncio.wait_for(anext(items), deadline - loop.time())
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _DeadlineExceeded from None
+        yield item
 
 
 def _too_large(limit: int) -> JSONResponse:
@@ -309,7 +351,8 @@ class OpenAIIngress:
             ours = None
         return JSONResponse({"version": vllm.__version__, "entropic_serve": ours})
 
-    @app.post("/tokenize", openapi_extra=_body("TokenizeCompletionRequest", "TokenizeChatRequest"))
+    @app.post("/tokenize", openapi_extra=_body("TokenizeCompletionRequest", "TokenizeChatRequest",
+                                                         answer="TokenizeResponse"))
     async def tokenize(self, raw: Request) -> JSONResponse:
         """As ``vllm serve``'s: the token ids a prompt or a chat becomes, by the code a replica runs
         (workers.prompts), with the model's tokenizer loaded here on first use."""
@@ -329,7 +372,7 @@ class OpenAIIngress:
         return JSONResponse(p.TokenizeResponse(count=len(ids), max_model_len=self.config.engine.max_model_len,
                                                tokens=ids, token_strs=strs).model_dump())
 
-    @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
+    @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest", answer="DetokenizeResponse"))
     async def detokenize(self, raw: Request) -> JSONResponse:
         try:
             request = p.parse_detokenize(await self._json(raw), self.model_name)
@@ -410,11 +453,13 @@ class OpenAIIngress:
                              "controller": queue})
 
     # --- generation -------------------------------------------------------------------------
-    @app.post("/v1/chat/completions", openapi_extra=_body("EntropicChatCompletionRequest"))
+    @app.post("/v1/chat/completions", openapi_extra=_body("EntropicChatCompletionRequest", answer="EntropicChatResponse",
+                                                                   chunk="EntropicChatStreamResponse"))
     async def chat_completions(self, raw: Request) -> Response:
         return await self._generate("chat", raw)
 
-    @app.post("/v1/completions", openapi_extra=_body("EntropicCompletionRequest"))
+    @app.post("/v1/completions", openapi_extra=_body("EntropicCompletionRequest", answer="EntropicCompletionResponse",
+                                                              chunk="EntropicCompletionStreamResponse"))
     async def completions(self, raw: Request) -> Response:
         return await self._generate("completion", raw)
 
@@ -441,8 +486,13 @@ class OpenAIIngress:
             logger.exception("request validation failed")
             return _error(f"invalid request: {exc}")
         per_choice = p.choice_requests(kind, request)
+        timeout = self.config.request_timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:  # n > 1 or several prompts: one request per choice, each with its own telemetry
-            starts = await self._start_all(kind, per_choice)
+            async with asyncio.timeout_at(deadline):
+                starts = await self._start_all(kind, per_choice)
+        except TimeoutError:
+            return JSONResponse(_timed_out(timeout), status_code=408)
         except _AtCapacity:
             return _error("the server is at capacity; retry shortly", code=503, kind="ServiceUnavailableError",
                           retry_after=_RETRY_AFTER_S)
@@ -467,10 +517,10 @@ class OpenAIIngress:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
-                self._sse(kind, request_id, created, starts, choices, include_usage, request.n or 1),
+                self._sse(kind, request_id, created, starts, choices, include_usage, request.n or 1, deadline),
                 media_type="text/event-stream"
             )
-        return await self._full(kind, request_id, created, starts, choices, request.n or 1)
+        return await self._full(kind, request_id, created, starts, choices, request.n or 1, deadline)
 
     async def _choices(self, kind: str, request: Any, per_choice: list[Any]) -> list[_Choice]:
         """What each choice's deltas become; loads the tokenizer when logprobs or an echo need it."""
@@ -574,9 +624,15 @@ class OpenAIIngress:
         """Admit and start each choice's request; if one cannot start, none goes on."""
         if len(choices) == 1:
             return [await self._admit_and_start(kind, choices[0])]
-        # gather runs each in a task of its own, so each sets its own Serve request context
-        started = await asyncio.gather(*(self._admit_and_start(kind, c, own_call_ids=True) for c in choices),
-                                       return_exceptions=True)
+        # a task each, so each sets its own Serve request context
+        tasks = [asyncio.ensure_future(self._admit_and_start(kind, c, own_call_ids=True)) for c in choices]
+        try:
+            started = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # past the deadline, or the client left: release the choices that started
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[1].cancel()
+            raise
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             for r in started:
@@ -595,8 +651,14 @@ class OpenAIIngress:
     async def _indexed(self, starts: list[tuple[Any, Any]]) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, delta) as each choice's deltas arrive; the first failure of any choice is raised."""
         if len(starts) == 1:
-            async for delta in self._deltas(*starts[0]):
-                yield 0, delta
+            ended = False
+            try:
+                async for delta in self._deltas(*starts[0]):
+                    yield 0, delta
+                ended = True
+            finally:  # past the deadline or the client left: release the call, so the engine frees the slot
+                if not ended:
+                    starts[0][1].cancel()
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -626,16 +688,16 @@ class OpenAIIngress:
                 stream.cancel()
 
     async def _sse(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]], choices: list[_Choice],
-                   include_usage: bool, per_prompt: int):
+                   include_usage: bool, per_prompt: int, deadline: float | None):
         last = [first for first, _ in starts]
         try:
             if kind == "chat":
                 for i, (first, _) in enumerate(starts):
-                    yield _sse(p.ChatCompletionStreamResponse(
+                    yield _sse(p.EntropicChatStreamResponse(
                         id=rid, created=created, model=self.model_name, prompt_token_ids=choices[i].prompt_ids_once(first),
-                        choices=[p.ChatCompletionResponseStreamChoice(
+                        choices=[p.EntropicChatStreamChoice(
                             index=i, delta=p.DeltaMessage(role="assistant", content=choices[i].take_echo()))]))
-            async for i, delta in self._indexed(starts):
+            async for i, delta in _until(self._indexed(starts), deadline):
                 last[i] = delta
                 text, logprobs = choices[i].piece(delta)
                 if kind == "chat":
@@ -643,26 +705,29 @@ class OpenAIIngress:
                     message = p.DeltaMessage(content=text) if tools is None else tools.stream(text, delta.finished)
                     if tools is not None and delta.finished:
                         finish = tools.finish_reason(finish, tools.called)
-                    choice = p.ChatCompletionResponseStreamChoice(
+                    choice = p.EntropicChatStreamChoice(
                         index=i, delta=message, logprobs=logprobs, finish_reason=finish, entropic=_chunk_entropic(delta),
                         token_ids=delta.token_ids if choices[i].token_ids else None)
-                    chunk = p.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+                    chunk = p.EntropicChatStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
                 else:
-                    choice = p.CompletionResponseStreamChoice(
+                    choice = p.EntropicCompletionStreamChoice(
                         index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
                         entropic=_chunk_entropic(delta), prompt_token_ids=choices[i].prompt_ids_once(delta),
                         token_ids=delta.token_ids if choices[i].token_ids else None)
-                    chunk = p.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+                    chunk = p.EntropicCompletionStreamResponse(id=rid, created=created, model=self.model_name,
+                                                               choices=[choice])
                 yield _sse(chunk)
             if include_usage:
-                cls = p.ChatCompletionStreamResponse if kind == "chat" else p.CompletionStreamResponse
+                cls = p.EntropicChatStreamResponse if kind == "chat" else p.EntropicCompletionStreamResponse
                 yield _sse(cls(id=rid, created=created, model=self.model_name, choices=[], usage=_usage(last, per_prompt)))
+        except _DeadlineExceeded:
+            yield _sse(_timed_out(self.config.request_timeout_s))
         except Exception as exc:  # mid-stream failure: tell the client in-band, then end the stream
             yield _sse(p.error_body(_failure_message(exc, rid), None, 500, "InternalServerError"))
         yield "data: [DONE]\n\n"
 
     async def _full(self, kind: str, rid: str, created: int, starts: list[tuple[Any, Any]],
-                    views: list[_Choice], per_prompt: int) -> Response:
+                    views: list[_Choice], per_prompt: int, deadline: float | None) -> Response:
         n = len(starts)
         text: list[list[str]] = [[views[i].take_echo()] if kind == "chat" else [] for i in range(n)]
         logprobs: list[list[Any]] = [[] for _ in range(n)]
@@ -671,7 +736,7 @@ class OpenAIIngress:
         kv_blocks: list[list[list[int]]] = [[] for _ in range(n)]
         last = [first for first, _ in starts]
         try:
-            async for i, delta in self._indexed(starts):
+            async for i, delta in _until(self._indexed(starts), deadline):
                 last[i] = delta
                 piece, piece_logprobs = views[i].piece(delta)
                 text[i].append(piece)
@@ -680,6 +745,8 @@ class OpenAIIngress:
                 entropy[i] += delta.entropy
                 temperature[i] += delta.temperature
                 kv_blocks[i] += [list(kt) for kt in delta.kv_blocks]
+        except _DeadlineExceeded:
+            return JSONResponse(_timed_out(self.config.request_timeout_s), status_code=408)
         except Exception as exc:
             return _error(_failure_message(exc, rid), code=500, kind="InternalServerError")
         choices = []
@@ -698,20 +765,20 @@ class OpenAIIngress:
                     calls = tools.calls(content)
                     message = p.ChatMessage(role="assistant", content="", tool_calls=calls)
                     finish = tools.finish_reason(finish, bool(calls))
-                choices.append(p.ChatCompletionResponseChoice(
+                choices.append(p.EntropicChatChoice(
                     index=i, message=message, logprobs=lp.merge_chat(logprobs[i]), finish_reason=finish,
                     entropic=entropic, token_ids=views[i].generated if views[i].token_ids else None))
             else:
-                choices.append(p.CompletionResponseChoice(
+                choices.append(p.EntropicCompletionChoice(
                     index=i, text="".join(text[i]), logprobs=lp.merge_completion(logprobs[i]),
                     finish_reason=last[i].finish_reason, prompt_logprobs=prompt, entropic=entropic,
                     token_ids=views[i].generated if views[i].token_ids else None,
                     prompt_token_ids=views[i].prompt_ids if views[i].token_ids else None))
         if kind == "chat":
-            body = p.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+            body = p.EntropicChatResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                             usage=_usage(last, per_prompt), prompt_logprobs=prompt,
                                             prompt_token_ids=views[0].prompt_ids if views[0].token_ids else None)
         else:
-            body = p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+            body = p.EntropicCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                         usage=_usage(last, per_prompt))
         return JSONResponse(body.model_dump(mode="json"))

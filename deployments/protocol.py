@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from vllm.entrypoints.generate.base.protocol import DeltaMessage  # noqa: F401
 from vllm.entrypoints.openai.chat_completion.protocol import (  # noqa: F401 (re-exported)
     ChatCompletionRequest,
@@ -73,6 +73,56 @@ class EntropicCompletionRequest(CompletionRequest):
 
 
 REQUEST_MODELS: dict[str, Any] = {"chat": EntropicChatCompletionRequest, "completion": EntropicCompletionRequest}
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+class EntropicTelemetry(BaseModel):
+    """The ``entropic`` object of every choice: per generated token (of this stream chunk, or of the whole
+    choice) its entropy in nats and the temperature it was sampled at (null where not finite), entropic time
+    τ so far, and for the whole choice the mean and variance of the entropy; ``kv_blocks`` (kept, total) per
+    decode step where KV pruning ran. Absent fields are left out."""
+
+    entropy: list[float | None]
+    temperature: list[float | None]
+    entropic_time: float
+    mean_entropy: float | None = Field(None, exclude_if=_absent)
+    entropy_variance: float | None = Field(None, exclude_if=_absent)
+    kv_blocks: list[list[int]] | None = Field(None, exclude_if=_absent)
+
+
+class EntropicChatChoice(ChatCompletionResponseChoice):
+    entropic: EntropicTelemetry | None = None
+
+
+class EntropicChatResponse(ChatCompletionResponse):
+    choices: list[EntropicChatChoice]
+
+
+class EntropicChatStreamChoice(ChatCompletionResponseStreamChoice):
+    entropic: EntropicTelemetry | None = None
+
+
+class EntropicChatStreamResponse(ChatCompletionStreamResponse):
+    choices: list[EntropicChatStreamChoice]
+
+
+class EntropicCompletionChoice(CompletionResponseChoice):
+    entropic: EntropicTelemetry | None = None
+
+
+class EntropicCompletionResponse(CompletionResponse):
+    choices: list[EntropicCompletionChoice]
+
+
+class EntropicCompletionStreamChoice(CompletionResponseStreamChoice):
+    entropic: EntropicTelemetry | None = None
+
+
+class EntropicCompletionStreamResponse(CompletionStreamResponse):
+    choices: list[EntropicCompletionStreamChoice]
 
 _UNSUPPORTED = {
     "use_beam_search": "beam search is not supported",

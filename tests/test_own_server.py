@@ -22,6 +22,7 @@ from tests.conftest import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 96
+DEADLINE_S = 10  # the app's request_timeout_s: streams of TOKENS end well within it
 KEY = "sk-test-key"
 ORIGIN = "http://app.example"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -34,6 +35,7 @@ def own_server(tmp_path_factory, model_dir):
     config = tmp_path / "app.json"
     config.write_text(json.dumps({"engine": {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 4,
                                              "kv_cache_space_gib": 1}, "drain_timeout_s": 60,
+                                  "request_timeout_s": DEADLINE_S,
                                   "http": {"api_keys": [KEY], "allowed_origins": [ORIGIN]}}))
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "deployments.server", "--port", str(port), "--config", str(config),
@@ -119,6 +121,27 @@ def test_a_browser_preflight_is_answered_for_allowed_origins_only(own_server):
     assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
     simple = httpx.get(f"{base}/v1/models", headers={"Origin": ORIGIN, **AUTH}, timeout=30)
     assert simple.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_a_request_past_its_deadline_gets_408_or_an_in_band_error_and_the_engine_lets_go(own_server):
+    _, base, _ = own_server
+    # four choices of 1000 tokens on one 1-thread engine take several times the deadline
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 1000, "n": 4,
+            "ignore_eos": True, "temperature": 0}
+    started = time.monotonic()
+    response = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=300)
+    assert response.status_code == 408, response.text
+    assert response.json()["error"]["type"] == "RequestTimeoutError"
+    assert DEADLINE_S <= time.monotonic() - started < DEADLINE_S + 10
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=300) as streamed:
+        assert streamed.status_code == 200
+        lines = [line for line in streamed.iter_lines() if line]
+    assert len(lines) > 3 and "RequestTimeoutError" in lines[-2] and lines[-1] == "data: [DONE]"
+    # the engine let go of the eight sequences: a short request is served at once, not after them
+    started = time.monotonic()
+    quick = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 2, "n": 1}, headers=AUTH, timeout=60)
+    assert quick.status_code == 200 and time.monotonic() - started < 8
 
 
 def _stream(base: str, out: dict) -> None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import response_schema_conformance
 
 _CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 2, "top_logprobs": 5, "logprobs": 5}
 
 
+_DECLARED = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")  # answers with a schema
 # Refused by this server whatever else a body holds (tests/test_http_api.py checks the refusals): dropped, so that
 # generated bodies get past them to the generation path
 _TEXT_ONLY = ("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs", "mm_payload", "return_mm_kwargs")
@@ -52,6 +54,8 @@ def test_no_generated_request_gets_a_5xx(server, served_model):
             codes[(case.path, response.status_code)] = codes.get((case.path, response.status_code), 0) + 1
             assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
                                                 response.text[:500])
+            if case.path in _DECLARED and response.headers.get("content-type", [""])[0].startswith("application/json"):
+                case.validate_response(response, checks=[response_schema_conformance])  # the answer is what it says
 
         no_5xx()
     # generated bodies got past validation to the engine too, not only into 400s
