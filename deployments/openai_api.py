@@ -113,9 +113,8 @@ class _DeadlineExceeded(Exception):
     """The request ran past ``request_timeout_s``."""
 
 
-def _timed_out(timeout: float | None) -> dict[str, Any]:
-    return p.error_body(f"the request ran past its deadline of {timeout} s (request_timeout_s)", None, 408,
-                        "RequestTimeoutError")
+def _timed_out(timeout: float | None) -> str:
+    return f"the request ran past its deadline of {timeout} s (request_timeout_s)"
 
 
 async def _until(items: AsyncIterator[Any], deadline: float | None) -> AsyncIterator[Any]:
@@ -221,7 +220,10 @@ class _Choice:
             self.prompt_positions += delta.prompt_logprobs
         if delta.prompt_token_ids is not None:
             self.prompt_ids = delta.prompt_token_ids
-        self.generated += delta.token_ids
+        if self.token_ids:
+            self.generated += delta.token_ids
+        if self.top is None and self.echo_text is None and not self.echo_only:
+            return delta.text, None  # the common case: the text as it came
         text, positions, first_ids = delta.text, list(delta.logprobs or []), list[int]()
         if self.kind == "completion" and self.echo_text is not None:
             if self.top is not None and not delta.prompt_logprobs and not delta.token_ids:
@@ -492,7 +494,7 @@ class OpenAIIngress:
             async with asyncio.timeout_at(deadline):
                 starts = await self._start_all(kind, per_choice)
         except TimeoutError:
-            return JSONResponse(_timed_out(timeout), status_code=408)
+            return _error(_timed_out(timeout), code=408, kind="RequestTimeoutError")
         except _AtCapacity:
             return _error("the server is at capacity; retry shortly", code=503, kind="ServiceUnavailableError",
                           retry_after=_RETRY_AFTER_S)
@@ -721,7 +723,7 @@ class OpenAIIngress:
                 cls = p.EntropicChatStreamResponse if kind == "chat" else p.EntropicCompletionStreamResponse
                 yield _sse(cls(id=rid, created=created, model=self.model_name, choices=[], usage=_usage(last, per_prompt)))
         except _DeadlineExceeded:
-            yield _sse(_timed_out(self.config.request_timeout_s))
+            yield _sse(p.error_body(_timed_out(self.config.request_timeout_s), None, 408, "RequestTimeoutError"))
         except Exception as exc:  # mid-stream failure: tell the client in-band, then end the stream
             yield _sse(p.error_body(_failure_message(exc, rid), None, 500, "InternalServerError"))
         yield "data: [DONE]\n\n"
@@ -746,7 +748,7 @@ class OpenAIIngress:
                 temperature[i] += delta.temperature
                 kv_blocks[i] += [list(kt) for kt in delta.kv_blocks]
         except _DeadlineExceeded:
-            return JSONResponse(_timed_out(self.config.request_timeout_s), status_code=408)
+            return _error(_timed_out(self.config.request_timeout_s), code=408, kind="RequestTimeoutError")
         except Exception as exc:
             return _error(_failure_message(exc, rid), code=500, kind="InternalServerError")
         choices = []

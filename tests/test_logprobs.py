@@ -72,7 +72,7 @@ def test_no_logprobs_unless_asked(client, served_model):
     assert done.choices[0].logprobs is None
 
 
-def test_echo_scores_the_prompt_as_generation_scored_the_tokens(client, served_model):
+def test_echo_scores_the_prompt_as_generation_scored_the_tokens(server, client, served_model):
     """Generate greedily with logprobs, then score prompt + output with echo and max_tokens 0 (what lm-eval's
     loglikelihood requests do): the engine must give the generated tokens the same logprobs both ways."""
     gen = client.completions.create(model=served_model, prompt=STORY, max_tokens=6, temperature=0, logprobs=3,
@@ -81,7 +81,7 @@ def test_echo_scores_the_prompt_as_generation_scored_the_tokens(client, served_m
     assert len(lps.tokens) == gen.usage.completion_tokens == 6
     assert all(tok in top and len(top) <= 4 for tok, top in zip(lps.tokens, lps.top_logprobs))
     assert lps.text_offset == [sum(len(t) for t in lps.tokens[:i]) for i in range(6)]
-    prompt_ids = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
+    prompt_ids = httpx.post(f"{server}/tokenize",
                             json={"model": served_model, "prompt": STORY}).json()["tokens"]
     ids = prompt_ids + _ids(lps.tokens)
 
@@ -106,11 +106,11 @@ def test_echo_streams_the_prompt_first_with_its_logprobs(client, served_model):
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # one offset scale across chunks
 
 
-def test_prompt_logprobs_of_a_prompt_longer_than_a_prefill_chunk(client, served_model):
+def test_prompt_logprobs_of_a_prompt_longer_than_a_prefill_chunk(server, client, served_model):
     """vLLM fills prompt logprobs chunk by chunk; every position of a ~6K-token prompt must come back with the
     prompt's own token (garbage ids here once crashed detokenization)."""
     prompt = "The grass is green. The sky is blue. " * 600
-    prompt_ids = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
+    prompt_ids = httpx.post(f"{server}/tokenize",
                             json={"model": served_model, "prompt": prompt}).json()["tokens"]
     assert len(prompt_ids) > 4096
     # twice: the second time the prompt's blocks sit in the prefix cache, which a prompt-logprobs request must not read
