@@ -10,7 +10,9 @@ within a round mean anything. The servers never run at the same time.
 Pairs (``--pairs``):
 - ``defaults``: ``python -m deployments.server`` as ``make serve`` starts it, against
   ``vllm serve MODEL`` as a user would start it (vLLM's defaults; our plugin kept out with
-  ``VLLM_PLUGINS=``). What a user compares.
+  ``VLLM_PLUGINS=``). What a user compares. Where vLLM's defaults do not start on the machine (on CPU they
+  reserve 92% of the first NUMA node's memory), ``--vllm-args`` adds what its error message asks for; the
+  result's server lines show it.
 - ``matched``: the same dtype, compile mode (compiled), context length and batch size on both sides
   (our ``engine`` config is set to what vLLM is given). What our serving path and control layers cost
   or gain when nothing else differs.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics as st
 import subprocess
@@ -46,6 +49,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,10 +181,11 @@ def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdi
     return cell
 
 
-def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str) -> tuple[Server, Server]:
+def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
+                 vllm_args: Sequence[str] = ()) -> tuple[Server, Server]:
     ours_argv = [sys.executable, "-m", "deployments.server", "--port", "8100"]
     vllm_argv = [sys.executable, "-m", "loadtest.vllm_cli", "serve", model_dir, "--port", "8200",
-                 "--served-model-name", model_name]
+                 "--served-model-name", model_name, *vllm_args]
     plain = {"VLLM_PLUGINS": ""}  # a user's vLLM has no plugin of ours
     if pair == "defaults":
         return Server("ours", ours_argv, 8100), Server("vllm", vllm_argv, 8200, env=plain)
@@ -266,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
+    parser.add_argument("--vllm-args", default="", help="more arguments for `vllm serve` in every pair, as one "
+                        "string: what a user must add where vLLM's defaults do not start (e.g. "
+                        "'--gpu-memory-utilization 0.5' where the CPU's NUMA node has less memory than vLLM's "
+                        "default fraction asks for)")
     args = parser.parse_args(argv)
 
     from kernels.hardware import resolve_dtype
@@ -284,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     servers_seen: dict[str, list[str]] = {}
     for r in range(args.rounds):
         for pair in args.pairs:
-            ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, dtype)
+            ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, dtype, shlex.split(args.vllm_args))
             for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
                 key = f"{pair}/{server.label}"
                 servers_seen[key] = server.argv + ([f"(config {json.dumps(server.config)})"] if server.config else [])
