@@ -4,6 +4,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from controller.laws.grants import GrantPolicy
+from controller.laws.migration import MigrationPolicy
 from controller.laws.priority import PriorityWeights
 
 
@@ -68,3 +69,23 @@ class DispatchConfig(BaseModel):
     in_flight_s: float = Field(2.0, gt=0, description="a dispatched request counts against its replica's free slots "
                                "until the replica's telemetry shows it, or this long")
     stale_after_s: float = Field(3.0, gt=0, description="a replica not heard from for this long gets nothing")
+
+
+class MigrationConfig(BaseModel):
+    """Requests stuck in one replica's queue move to a replica that can start them sooner
+    (controller.laws.migration; the replica aborts the request before anything of it was computed, and the
+    ingress sends it to the new replica)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="off: a request waits on the replica Serve's router sent it to")
+    after_s: float = Field(1.0, ge=0, description="a request must have waited this long on its replica, with "
+                           "nothing computed, before it may move")
+    min_gain_s: float = Field(0.05, ge=0, description="it moves only if it is expected to start at least this much "
+                              "sooner on the other replica (what resending costs)")
+    max_moves: int = Field(1, ge=1, description="how often one request may move")
+    in_flight_s: float = Field(2.0, gt=0, description="a moved request counts against its new replica's free slots "
+                               "until that replica's telemetry shows it, or this long")
+
+    def policy(self) -> MigrationPolicy:
+        return MigrationPolicy(after_s=self.after_s, min_gain_s=self.min_gain_s, max_moves=self.max_moves)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +52,11 @@ class _Replica:
 class Dispatcher:
     def __init__(self, config: DispatchConfig, scheduling: SchedulingConfig, registry: CollectorRegistry,
                  clock: Callable[[], float] = time.monotonic,
-                 remaining: Callable[[int, int | None], float] | None = None) -> None:
+                 remaining: Callable[[int, int | None], float] | None = None,
+                 also_in_flight: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """``also_in_flight``: requests sent to each replica by other means (migration) not yet in its reports."""
         self._config = config
+        self._also_in_flight = also_in_flight
         self._remaining = remaining  # (prompt tokens, max_tokens) -> predicted output tokens; None: the budget
         self._weights = scheduling.weights()
         self._slo_s = scheduling.slo_s
@@ -111,6 +114,10 @@ class Dispatcher:
             del self._queue[key]
             self._close(entry, None)
 
+    def in_flight(self) -> collections.Counter[str]:
+        """Granted requests per replica not yet seen in its reports."""
+        return collections.Counter(rid for rid, _ in self._granted.values())
+
     # --- the replicas' side ----------------------------------------------------------------------
     def observe(self, report: TelemetryReport) -> None:
         now = self._clock()
@@ -142,7 +149,9 @@ class Dispatcher:
         now = self._clock()
         self._expire(now)
         live = {rid: r for rid, r in self._replicas.items() if now - r.heard <= self._config.stale_after_s}
-        in_flight = collections.Counter(rid for rid, _ in self._granted.values())
+        in_flight = self.in_flight()
+        if self._also_in_flight is not None:
+            in_flight.update(self._also_in_flight())
         slots = {rid: ReplicaSlots(load=r.report.load, in_flight=in_flight[rid],
                                    kv_free_tokens=r.report.kv_free_tokens, kv_total_tokens=r.report.kv_total_tokens)
                  for rid, r in live.items()}

@@ -50,6 +50,8 @@ class TelemetryReport:
     kv_total_tokens: int  # the whole KV cache, in tokens
     finished: dict[str, int]  # key -> tokens generated, of requests that ended (EOS, stop, max_tokens) since the last report
     metrics: list[Any] | None = None  # the replica's Prometheus metric families, once a second
+    # key -> seconds waited here, of requests waiting in the engine's queue with nothing computed yet (movable)
+    unstarted: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +60,7 @@ class ControllerAnswer:
 
     priorities: dict[str, float]  # π per request key
     granted: tuple[str, ...] | None = None  # keys whose decode-step lease is renewed (grants on)
+    moves: dict[str, str] | None = None  # key -> replica id: unstarted requests to hand back for that replica (migration on)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,9 @@ request, their load, and once a second their metric families. The answer carries
 decisions for that replica's sequences: π(s) and, with ``scheduling.grant_slots`` set, the
 decode-step leases to renew. The ingress reads the merged metrics (/metrics), the profiles
 (/debug/requests) and the routing view (for its request router) from here. With ``dispatch.enabled``
-new requests also wait here for a replica (``controller.dispatcher``): ``enqueue`` / ``withdraw``.
+new requests also wait here for a replica (``controller.dispatcher``): ``enqueue`` / ``withdraw``. With
+``migration.enabled`` the answer also moves the replica's unstarted requests that have waited too long to a
+replica that can start them sooner (``controller.migrator``).
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from controller.config import DispatchConfig, SchedulingConfig
+from controller.config import DispatchConfig, MigrationConfig, SchedulingConfig
 from controller.dispatcher import Dispatcher
 from controller.laws.grants import to_renew
 from controller.laws.priority import priorities
 from controller.messages import Admission, ControllerAnswer, RoutingView, TelemetryReport, as_json
 from controller.metrics_merge import merge_families
+from controller.migrator import Migrator
 from controller.predictor import RemainingWorkPredictor
 
 _STALE_AFTER_S = 30.0
@@ -38,7 +41,8 @@ class _Heard:
 
 
 class EntropyController:
-    def __init__(self, scheduling: SchedulingConfig | None = None, dispatch: DispatchConfig | None = None) -> None:
+    def __init__(self, scheduling: SchedulingConfig | None = None, dispatch: DispatchConfig | None = None,
+                 migration: MigrationConfig | None = None) -> None:
         self._scheduling = scheduling or SchedulingConfig()
         self._weights = self._scheduling.weights()
         self._grant_policy = self._scheduling.grant_policy() if self._scheduling.grant_slots else None
@@ -55,8 +59,11 @@ class EntropyController:
         self._predictor = (RemainingWorkPredictor(self._registry, entropy=self._scheduling.entropy_terms,
                                                   cap_tokens=self._scheduling.remaining_cap_tokens)
                            if self._scheduling.predict_remaining else None)
+        self._migrator = (Migrator(migration, self._registry)
+                          if migration is not None and migration.enabled else None)
         self._dispatcher = (Dispatcher(dispatch, self._scheduling, self._registry,
-                                       remaining=self._predictor.queued if self._predictor is not None else None)
+                                       remaining=self._predictor.queued if self._predictor is not None else None,
+                                       also_in_flight=self._migrator.in_flight if self._migrator is not None else None)
                             if dispatch is not None and dispatch.enabled else None)
 
     def report(self, report: TelemetryReport) -> ControllerAnswer:
@@ -83,12 +90,22 @@ class EntropyController:
                   for k, s in report.sequences.items()}
         pi = priorities(states, self._weights)
         granted = tuple(to_renew(pi, self._grant_policy)) if self._grant_policy is not None else None
-        answer = ControllerAnswer(priorities=pi, granted=granted)
+        moves = self._moves(report, pi, now, lag) if self._migrator is not None else None
+        answer = ControllerAnswer(priorities=pi, granted=granted, moves=moves)
         self._heard[report.replica_id] = _Heard(report, answer, now, lag)
         if self._dispatcher is not None:
             self._dispatcher.observe(report)
         self._loop.observe(time.perf_counter() - started)
         return answer
+
+    def _moves(self, report: TelemetryReport, pi: dict[str, float], now: float, lag: float) -> dict[str, str] | None:
+        assert self._migrator is not None
+        heard = {r: (h.report, now - h.received) for r, h in self._heard.items()}
+        heard[report.replica_id] = (report, 0.0)
+        in_flight = self._migrator.in_flight()
+        if self._dispatcher is not None:
+            in_flight.update(self._dispatcher.in_flight())
+        return self._migrator.decide(report, pi, heard, in_flight, lag) or None
 
     def enqueue(self, admission: Admission) -> asyncio.Future:
         """Queue a new request for a replica (dispatch on); the future resolves to its ``Grant``."""

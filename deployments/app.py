@@ -19,11 +19,12 @@ def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
 
 
 def request_router_class(config: AppConfig) -> str | None:
-    """The worker deployment's request router; None: Serve's default. With dispatch on, one that sends a
-    request to the replica the controller granted."""
+    """The worker deployment's request router; None: Serve's default. With dispatch or migration on, one that
+    sends a request to the replica the controller granted or moved it to."""
     if config.request_router == "soonest_served":
         return "deployments.routing.SoonestServedRouter"
-    return "deployments.routing.GrantedPowerOfTwoRouter" if config.dispatch.enabled else None
+    granted = config.dispatch.enabled or config.migration.enabled
+    return "deployments.routing.GrantedPowerOfTwoRouter" if granted else None
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:

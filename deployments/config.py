@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.config import DispatchConfig
+from controller.config import DispatchConfig, MigrationConfig
 from workers.config import ReplicaConfig
 
 
@@ -60,6 +60,7 @@ class AppConfig(ReplicaConfig):
         "power_of_two", description="Serve's default power-of-two router, or deployments.routing.SoonestServedRouter "
         "(the replica expected to serve a new request soonest, from the controller's view)")
     dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
     routing_view_period_s: float = Field(
         0.05, gt=0, le=1.5, description="how often the ingress fetches the controller's routing view (soonest_served)")
 

@@ -17,7 +17,7 @@ from deployments.config import AppConfig
 class ControllerDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         app = AppConfig.model_validate(config)
-        self._controller = EntropyController(app.scheduling, app.dispatch)
+        self._controller = EntropyController(app.scheduling, app.dispatch, app.migration)
 
     # Async, so they run on the replica's event loop (Serve runs plain methods in a thread pool): the
     # dispatch queue's futures belong to that loop.

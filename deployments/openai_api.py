@@ -31,7 +31,7 @@ from deployments.config import AppConfig
 from deployments.drain import DrainMiddleware
 from deployments.http_policy import PolicyMiddleware
 from deployments.tool_calls import ToolCalls
-from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
+from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed, RequestMoved
 
 logger = logging.getLogger(__name__)
 _ATTEMPTS = 4  # replicas tried for one request before its first output
@@ -584,9 +584,11 @@ class OpenAIIngress:
         """Send the request to a replica (the granted one first, with dispatch) and wait for its first output.
 
         Nothing has been generated until then, so a replica that cannot take it (its engine
-        stopped, the actor died) is not the client's problem: try another, a few times.
+        stopped, the actor died) is not the client's problem: try another, a few times. A replica may also
+        hand it back unstarted for another the controller chose (migration): it goes there, under its key.
         """
-        for attempt in range(_ATTEMPTS):
+        attempt = 0
+        while True:
             stream = self.worker_stream.generate.remote(kind, request, p.overrides(request), grant)
             try:
                 first = await stream.__anext__()
@@ -595,6 +597,10 @@ class OpenAIIngress:
                 return first, stream
             except StopAsyncIteration:
                 raise RequestFailed("the engine produced no output") from None
+            except RequestMoved as moved:  # the controller bounds how often one request moves
+                stream.cancel()
+                grant = Grant(key=moved.key, replica_id=moved.replica_id)
+                continue
             except (ReplicaUnavailable, RayActorError) as exc:
                 stream.cancel()
                 if attempt + 1 == _ATTEMPTS:
@@ -603,10 +609,10 @@ class OpenAIIngress:
                 if grant is not None:  # the granted replica failed it: Serve's router chooses the next
                     grant = dataclasses.replace(grant, replica_id=None)
                 await asyncio.sleep(_RETRY_BACKOFF_S * 2**attempt)
+                attempt += 1
             except BaseException:
                 stream.cancel()  # release the call, so the router's in-flight count for that replica drops
                 raise
-        raise AssertionError("unreachable")
 
     async def _admit_and_start(self, kind: str, request: Any, own_call_ids: bool = False) -> tuple[Any, Any]:
         if own_call_ids:

@@ -19,7 +19,7 @@ from ray import serve
 from controller.messages import ControllerAnswer, Grant, TelemetryReport
 from deployments.config import AppConfig
 from workers.engine import Delta
-from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed
+from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed, RequestMoved
 from workers.process import CoreProcess
 
 logger = logging.getLogger(__name__)
@@ -49,14 +49,14 @@ class EntropicWorker:
     async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None,
                        grant: Grant | None = None) -> AsyncIterator[Delta | RequestError]:
         """The request's deltas; an expected failure (the client's mistake, an engine that stopped, one
-        request failing inside the engine) is the last item, not raised: Serve logs every exception a
-        replica raises with its traceback at ERROR, which a client's 400 is not. ``grant``: the
-        controller's dispatch of it (deployments.routing sends it to the granted replica; its key
-        names the request in this replica's telemetry)."""
+        request failing inside the engine, the controller moving it elsewhere before it started) is the last
+        item, not raised: Serve logs every exception a replica raises with its traceback at ERROR, which a
+        client's 400 is not. ``grant``: the controller's dispatch or move of it (deployments.routing sends it
+        to the granted replica; its key names the request in this replica's telemetry)."""
         try:
             async for delta in self.core.generate(kind, request, overrides, grant.key if grant else None):
                 yield delta
-        except (InvalidRequest, ReplicaUnavailable, RequestFailed) as exc:
+        except (InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved) as exc:
             yield exc
 
     async def info(self) -> dict[str, Any]:

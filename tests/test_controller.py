@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from controller.config import SchedulingConfig
-from controller.messages import ReplicaLoad, SequenceState, TelemetryReport
+from controller.config import MigrationConfig, SchedulingConfig
+from controller.messages import ReplicaLoad, SequenceState, SequenceSummary, TelemetryReport
 from controller.service import EntropyController
 
 
@@ -72,3 +72,43 @@ def test_messages_refuse_unknown_and_missing_fields():
         ReplicaLoad(running=1, waiting=0, max_num_seqs=4, step_s=0.1)  # unit_step_s missing
     with pytest.raises(dataclasses.FrozenInstanceError):
         _report("r1").replica_id = "r2"  # type: ignore[misc]
+
+
+def _summary(prompt_tokens: int = 200) -> SequenceSummary:
+    return SequenceSummary(prompt_tokens=prompt_tokens, generated=0, max_tokens=64, expected_drop=None,
+                           last_entropy=None, temperature=None, tau=0.0, mean_entropy=0.0, age_s=0.0, idle_s=0.0)
+
+
+def _waiting_report(replica: str, running: int, unstarted: dict[str, float]) -> TelemetryReport:
+    """A replica whose batch (4 slots) runs ``running`` requests and whose queue holds ``unstarted`` (key -> waited)."""
+    sequences = {k: _sequence(0.3, 64, waited) for k, waited in unstarted.items()}
+    load = ReplicaLoad(running=running, waiting=len(unstarted), max_num_seqs=4, step_s=0.05, unit_step_s=0.04)
+    return TelemetryReport(replica_id=replica, node_id="n", sent_at=time.time(), sequences=sequences,
+                           summaries={k: _summary() for k in unstarted}, load=load, routing_stats_polls=0, leases=None,
+                           kv_free_tokens=4096, kv_total_tokens=8192, finished={}, unstarted=unstarted)
+
+
+def test_migration_moves_stranded_requests_to_free_slots_once_each():
+    controller = EntropyController(SchedulingConfig(), migration=MigrationConfig(enabled=True, after_s=1.0))
+    assert controller.report(_waiting_report("idle", 1, {})).moves is None
+    answer = controller.report(_waiting_report("full", 4, {"young": 0.2, "a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0}))
+    assert answer.moves is not None and set(answer.moves.values()) == {"idle"}
+    assert len(answer.moves) == 3 and "young" not in answer.moves  # three free slots there; too young to move
+    # Until "idle" reports them, the moved requests hold its slots: nothing more goes there
+    again = controller.report(_waiting_report("full", 4, {"young": 2.0, "a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0}))
+    assert again.moves is None
+    # Once they run there and the slots free again, the one left (and "young", now old enough) may follow;
+    # a request never moves twice (max_moves 1), even back where it came from
+    moved = set(answer.moves)
+    controller.report(dataclasses.replace(_waiting_report("idle", 4, {}), sequences={
+        k: _sequence(0.3, 64) for k in moved}))
+    controller.report(_waiting_report("idle", 0, {}))
+    later = controller.report(_waiting_report("full", 4, {k: 9.0 for k in {"young", "a", "b", "c", "d"}}))
+    assert later.moves is not None and set(later.moves) == {"young", "a", "b", "c", "d"} - moved
+    metrics = {m.name: m for m in controller.metric_families()}
+    assert sum(s.value for s in metrics["entropic_migrations"].samples if s.name.endswith("_total")) == 5
+
+
+def test_migration_off_moves_nothing():
+    answer = EntropyController(SchedulingConfig()).report(_waiting_report("full", 4, {"a": 9.0}))
+    assert answer.moves is None

@@ -6,6 +6,8 @@ Every touch of a vLLM internal, and where it is:
   .model_runner.input_batch.logitsprocs`` (checked at every engine start: EngineRunner raises if the
   processor is not found there; the scheduler path by ``test_inprocess_engine_object_path``);
   ``SamplingParams.verify``; ``VLLMClientError``.
+- ``workers/engine.py``: migration reads ``Scheduler.requests`` (``status``, ``num_computed_tokens``) under the
+  id ``LLMEngine.add_request`` returns.
 - ``workers/engine.py``: ``EngineRunner.kv_tokens`` reads ``Scheduler.kv_cache_manager.block_pool``
   (``get_num_free_blocks``, ``num_gpu_blocks``) and ``Scheduler.block_size``.
 - ``workers/scheduler.py``: ``Scheduler`` internals (``_preempt_request``, ``running``, ``waiting``,
@@ -121,6 +123,23 @@ def test_scheduler_internals_we_use():
     assert "self.block_pool" in inspect.getsource(KVCacheManager.__init__)
     assert "self.num_gpu_blocks" in inspect.getsource(BlockPool.__init__) and hasattr(BlockPool, "get_num_free_blocks")
     assert "self.priority" in inspect.getsource(Request.__lt__)
+
+
+def test_what_migration_reads_of_a_waiting_request():
+    """workers/engine.py (``_is_unstarted``): the id ``LLMEngine.add_request`` returns names the request in
+    ``Scheduler.requests``; a request the scheduler has not started is ``RequestStatus.WAITING`` with
+    ``num_computed_tokens`` 0, and ``Scheduler.waiting`` is falsy when empty."""
+    from vllm.v1.core.sched.request_queue import RequestQueue
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.request import Request, RequestStatus
+
+    source = inspect.getsource(LLMEngine.add_request)
+    assert inspect.signature(LLMEngine.add_request).return_annotation in ("str", str)
+    assert "req_id = request.request_id" in source and "return req_id" in source
+    init = inspect.getsource(Request.__init__)
+    assert "self.status = RequestStatus.WAITING" in init and "self.num_computed_tokens = 0" in init
+    assert RequestStatus.WAITING < RequestStatus.RUNNING < RequestStatus.PREEMPTED
+    assert hasattr(RequestQueue, "__bool__")
 
 
 def test_pruned_attention_adapter_points():

@@ -203,13 +203,17 @@ class ReplicaCore:
             summaries={k: t.summary(now) for k, t in active.items()}, load=self.load(),
             routing_stats_polls=self.routing_polls, leases=self.grants.leases() if self.grants is not None else None,
             kv_free_tokens=kv_free, kv_total_tokens=kv_total, finished=finished,
-            metrics=self.metrics.snapshot() if send_metrics else None)
+            metrics=self.metrics.snapshot() if send_metrics else None,
+            unstarted={k: now - active[k].arrival for k in self.runner.unstarted if k in active})
         answer = None
         if self._controller is not None:
             try:  # the controller is advisory: a slow or missing one never stalls serving
                 answer = await asyncio.wait_for(self._controller(report), timeout=self.scheduling.controller_timeout_s)
             except Exception as exc:
                 logger.debug("telemetry report failed: %r", exc)
+        if answer is not None and answer.moves:
+            for key, replica_id in answer.moves.items():
+                self.runner.move(key, replica_id)
         if self.scheduling.enabled and states:
             self._apply(states, answer)
 

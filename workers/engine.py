@@ -19,7 +19,7 @@ from typing import Any
 
 from controller.laws.entropic_time import EntropyTrace
 from workers.control_params import EntropicArgs
-from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed
+from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved
 from workers.pruning_state import STATE as PRUNING
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class _Stream:
     pruning: dict[str, Any] | None = None  # the request's pruning args (workers.pruning_state)
     prompt_surprisal_seen: int = 0
     prompt_sent: bool = False
+    engine_id: str | None = None  # vLLM's internal id of it (the key with a suffix), once added
 
 
 # (step wall seconds, estimator seconds in that step, deltas the step produced, whether the step only
@@ -126,6 +127,7 @@ class EngineRunner:
         applies them; ours runs first unless the list names ``EntropicLogitsProcessor`` elsewhere."""
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.request import RequestStatus
 
         from workers.sampling import EntropicLogitsProcessor
 
@@ -147,6 +149,10 @@ class EngineRunner:
         self._stop = threading.Event()
         self.fatal: BaseException | None = None
         self.steps = 0
+        # Keys of requests in the engine's waiting queue with nothing computed yet, as of the last step: they can
+        # move to another replica and lose no work (set by the engine thread, read by the control step)
+        self.unstarted: frozenset[str] = frozenset()
+        self._waiting_status = RequestStatus.WAITING
         self.heartbeat = time.monotonic()  # last time the loop went round (idle waits included)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -217,6 +223,11 @@ class EngineRunner:
             if not finished:  # caller went away or failed: free the engine's slot
                 self._commands.put(lambda: self._abort(request_id))
 
+    def move(self, key: str, replica_id: str) -> None:
+        """Hand the request back for ``replica_id`` (its stream ends with ``RequestMoved``) if it is still
+        waiting with nothing computed when the engine thread gets to it; otherwise it stays."""
+        self._commands.put(lambda: self._move(key, replica_id))
+
     def stop_with_error(self, exc: BaseException) -> None:
         """Stop the loop as if a step had raised ``exc`` (fault injection: chaos tests, drills)."""
         def fail() -> None:
@@ -233,7 +244,7 @@ class EngineRunner:
         if stream.key not in self._streams:
             return  # the caller left before the engine got to it
         try:
-            self.engine.add_request(stream.key, prompt, params)
+            stream.engine_id = self.engine.add_request(stream.key, prompt, params)
         except Exception as exc:  # whatever one request raises fails that request, not the loop
             from vllm.exceptions import VLLMClientError
 
@@ -254,6 +265,27 @@ class EngineRunner:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
         self._ended_early("invalid" if isinstance(error, InvalidRequest) else "failed")
+
+    def _is_unstarted(self, stream: _Stream) -> bool:
+        if stream.prompt_sent or stream.engine_id is None:
+            return False
+        request = self.scheduler.requests.get(stream.engine_id)
+        return request is not None and request.status == self._waiting_status and not request.num_computed_tokens
+
+    def _move(self, key: str, replica_id: str) -> None:
+        stream = self._streams.get(key)
+        if stream is None or not self._is_unstarted(stream):
+            return  # it has started (or ended) since the telemetry the decision came from
+        del self._streams[key]
+        self.engine.abort_request([key])
+        self._forget(key)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestMoved(key, replica_id))
+        self._ended_early("moved")
+
+    def _unstarted_now(self) -> frozenset[str]:
+        if not self.scheduler.waiting:
+            return frozenset()
+        return frozenset(k for k, s in self._streams.items() if self._is_unstarted(s))
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -300,6 +332,7 @@ class EngineRunner:
                 self.heartbeat = time.monotonic()
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.unstarted = frozenset()
                     continue
                 started = time.perf_counter()
                 estimator_before = self.estimator_seconds
@@ -307,6 +340,7 @@ class EngineRunner:
                 self.steps += 1
                 step_seconds = time.perf_counter() - started
                 produced = [d for d in (self._deliver_isolated(o) for o in outputs) if d is not None]
+                self.unstarted = self._unstarted_now()
                 if self._on_step is not None:
                     # A request still in the scheduler's running list that produced nothing was prefilling a chunk
                     decode_only = bool(produced) and len(produced) >= len(self.scheduler.running) and all(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 class RequestError(Exception):
-    """An expected way for one request to fail (the three below); the ingress answers each its own way."""
+    """An expected way for one request to end without its output (those below); the ingress answers each its own way."""
 
 
 class InvalidRequest(ValueError, RequestError):
@@ -49,3 +49,17 @@ class RequestFailed(RuntimeError, RequestError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class RequestMoved(RequestError):
+    """The controller moved this request, still waiting with nothing computed, to another replica
+    (controller.laws.migration): the ingress sends it to ``replica_id`` under the same ``key``. Never a client's
+    answer."""
+
+    def __init__(self, key: str, replica_id: str) -> None:
+        super().__init__(key, replica_id)
+        self.key = key
+        self.replica_id = replica_id
+
+    def __str__(self) -> str:
+        return f"request {self.key} moved to replica {self.replica_id}"

@@ -65,9 +65,10 @@ class ReplicaMetrics:
         self._grants_seen = (0, 0)
         self._ended_early = Counter("entropic_requests_ended_early", "Requests that ended before they finished, by why: "
                                     "client_gone (the client disconnected), invalid (refused by the engine), failed, "
-                                    "engine_stopped", ["model_name", "reason"], registry=registry)
+                                    "engine_stopped, moved (handed back, unstarted, for another replica: migration)",
+                                    ["model_name", "reason"], registry=registry)
         self._ended_early_by = {r: self._ended_early.labels(model_name, r)
-                                for r in ("client_gone", "invalid", "failed", "engine_stopped")}
+                                for r in ("client_gone", "invalid", "failed", "engine_stopped", "moved")}
         self._preemptions = Counter("entropic_priority_preemptions", "Running requests preempted for a higher-π waiting one",
                                     ["model_name"], registry=registry).labels(model_name)
 
