@@ -8,6 +8,8 @@ controller, the HTTP ingress); configurations differ only in how requests are pl
      (dispatch on), π in each replica
   D  C with π's entropy terms off (every request's expected entropy drop is the prior, and the
      remaining-work predictor has no entropy features): what entropy adds
+  M  B with migration: requests waiting unstarted on one replica move to one that can start them sooner
+     (M/B: what moving waiting work saves; each run records how many moved)
 Same seeded open-loop Poisson trace as the scheduling and routing benchmarks (short chat, long-context
 questions, free-form writing), sent over HTTP with the official OpenAI client, streamed so TTFT is
 measured at the client. Greedy, and every output ends at EOS or at a loose max_tokens (``LOOSE_MAX_TOKENS``,
@@ -36,7 +38,10 @@ CONFIGS = {
     "C": {"request_router": "power_of_two", "scheduling": {"enabled": True}, "dispatch": {"enabled": True}},
     "D": {"request_router": "power_of_two", "scheduling": {"enabled": True, "entropy_terms": False},
           "dispatch": {"enabled": True}},
+    "M": {"request_router": "power_of_two", "scheduling": {"enabled": True}, "dispatch": {"enabled": False},
+          "migration": {"enabled": True}},
 }
+DEFAULT_CONFIGS = ["A", "B", "C", "D"]
 KEYS = ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "mean_tpot_s", "goodput_rps", "within_slo",
         "shed", "wall_s", "max_send_lag_s")
 
@@ -110,13 +115,22 @@ def decision_cost(queued: int, replicas: int, repeats: int = 200) -> dict:
     return {"queued": queued, "replicas": replicas, "median_s": st.median(times), "p90_s": times[int(0.9 * len(times))]}
 
 
+def _moved(base: str) -> float:
+    """Requests the replicas handed back for another replica in this run (migration; 0 when off)."""
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("entropic_requests_ended_early_total{") and 'reason="moved"' in line)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=0.6, help="Poisson arrival rate, requests/s")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=4, help="per replica")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/results/dispatch")
     args = parser.parse_args(argv)
@@ -134,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             for name in order:
                 x = app.measure(CONFIGS[name], lambda base: run_trace(base, jobs))
-                view = httpx.get(f"{x.pop('base')}/debug/dispatch", timeout=30).json()
+                base = x.pop("base")
+                view = httpx.get(f"{base}/debug/dispatch", timeout=30).json()
+                x["moved"] = _moved(base)
                 x["remaining_work"] = (view.get("controller") or {}).get("remaining_work")
                 x["admissions"] = view["admissions"]  # by outcome: how many the controller placed, shed or missed
                 results[name].append(x)
@@ -144,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {n: {k: st.median(x[k] for x in xs) for k in KEYS} for n, xs in results.items()}
     ratios = {}
-    for a, b in (("C", "A"), ("C", "B"), ("D", "C"), ("B", "A")):
+    for a, b in (("C", "A"), ("C", "B"), ("D", "C"), ("B", "A"), ("M", "B")):
         if a in results and b in results:
             ratios[f"{a}/{b}"] = {k: [x[k] / y[k] if y[k] else None for x, y in zip(results[a], results[b])]
                                   for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
@@ -201,7 +217,7 @@ def _markdown(result: dict) -> str:
             placed = ", ".join(f"{k} {v:.0f}" for k, v in (x.get("admissions") or {}).items() if v)
             lines.append(f"- {n} round {i + 1}: {rw.get('model')} ({errors or 'too few held-out samples'}; "
                          f"{rw.get('finished_requests')} finished); admissions by outcome: "
-                         f"{placed or 'none (dispatch off)'}")
+                         f"{placed or 'none (dispatch off)'}; requests moved: {x.get('moved', 0):.0f}")
     lines += ["", "Mean output tokens per request (each round): " + "; ".join(
         f"{n}: " + ", ".join(f"{x['mean_output_tokens']:.0f}" for x in xs) for n, xs in result["rounds"].items()), ""]
     return "\n".join(lines)

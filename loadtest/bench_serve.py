@@ -143,8 +143,8 @@ def stop(proc: subprocess.Popen, port: int) -> None:
         time.sleep(2)
 
 
-def natural_dataset(path: Path, model_dir: str, n: int) -> None:
-    """``n`` windows of ``NATURAL_TOKENS`` tokens of Python's documentation, each a different stretch."""
+def natural_dataset(path: Path, model_dir: str, n: int, tokens: int = NATURAL_TOKENS) -> None:
+    """``n`` windows of ``tokens`` tokens of Python's documentation, each a different stretch."""
     import pydoc_data.topics as topics
 
     from transformers import AutoTokenizer
@@ -152,11 +152,11 @@ def natural_dataset(path: Path, model_dir: str, n: int) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    stride = max(NATURAL_TOKENS, (len(ids) - NATURAL_TOKENS) // max(1, n - 1))
+    stride = max(tokens, (len(ids) - tokens) // max(1, n - 1))
     with path.open("w") as f:
         for i in range(n):
-            start = min(i * stride, len(ids) - NATURAL_TOKENS)
-            prompt = tok.decode(ids[start:start + NATURAL_TOKENS]) + NATURAL_INSTRUCTION
+            start = min(i * stride, len(ids) - tokens)
+            prompt = tok.decode(ids[start:start + tokens]) + NATURAL_INSTRUCTION
             f.write(json.dumps({"prompt": prompt}) + "\n")
 
 

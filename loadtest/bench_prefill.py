@@ -1,0 +1,199 @@
+"""Time to first token at long prompts, arm by arm: where the replica's prefill time goes.
+
+    make bench-prefill ARGS="--rounds 2"   (writes docs/results/prefill-split.{md,json})
+
+``vllm bench serve`` measured our server's mean TTFT on ~3.9K-token prompts above ``vllm serve``'s. This
+splits the engine-side causes from the serving path's: each arm is one fresh process holding one engine
+built from the same ``EngineConfig`` (the shipped defaults: compiled, ``dtype: auto``, one engine thread,
+max_num_seqs 16), given ``--requests`` prompts of ~``--tokens`` tokens of natural text at once (Python's
+documentation, a different stretch each, so the prefix cache never helps; as bench-serve's natural set),
+each asking for ``--max-tokens`` tokens (greedy, ``ignore_eos``). It records each request's time to its
+first token from the moment all were submitted, and the wall time of the batch. Arms:
+
+* ``vllm``: vLLM's ``LLMEngine`` stepped bare, our plugin not loaded (vLLM's CPU attention, its default
+  KV block size, FCFS, no logits processor of ours): the engine ``vllm serve`` runs;
+* ``core``: ``workers.core.ReplicaCore`` as served (telemetry, sampling control, pruning with its KV block
+  size, π scheduling), requests through ``ReplicaCore.generate``;
+* ``core-block128``: ``core`` with vLLM's CPU default block size (128);
+* ``core-fcfs``: ``core`` with scheduling off (vLLM's FCFS scheduler);
+* ``core-plain``: ``core`` with telemetry off (vLLM's engine as shipped behind the core's request path).
+
+No HTTP, no Serve: what is left between ``core`` and ``vllm serve``'s TTFT in bench-serve is the serving
+path's. Arms alternate over rounds, one process at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics as st
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARMS = ("vllm", "core", "core-block128", "core-fcfs", "core-plain")
+
+
+def _config(arm: str):
+    from controller.config import SchedulingConfig
+    from workers.config import EngineConfig, ReplicaConfig
+
+    engine = EngineConfig(block_size=128 if arm == "core-block128" else None)
+    return ReplicaConfig(engine=engine, telemetry=arm != "core-plain",
+                         scheduling=SchedulingConfig(enabled=arm != "core-fcfs"))
+
+
+def run_arm(arm: str, prompts: list[str], max_tokens: int) -> dict:
+    """In this process: build the arm's engine, warm it, submit every prompt at once, time first tokens."""
+    if arm == "vllm":
+        os.environ["VLLM_PLUGINS"] = "none-of-ours"  # before vLLM loads its plugins
+    from workers.engine import configure_process_env
+
+    config = _config(arm)
+    configure_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)
+    from workers.model_store import resolve_model
+
+    model = str(resolve_model(config.model))
+    return _bare(config, model, prompts, max_tokens) if arm == "vllm" else _core(config, prompts, max_tokens)
+
+
+def _bare(config, model: str, prompts: list[str], max_tokens: int) -> dict:
+    from vllm import EngineArgs, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    kwargs = {k: v for k, v in config.engine.engine_kwargs(model, config.model_name).items() if k != "logprobs_mode"}
+    engine = LLMEngine.from_engine_args(EngineArgs(**{**kwargs, "disable_log_stats": True}))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    def batch(tag: str, texts: list[str]) -> tuple[list[float], float]:
+        start = time.perf_counter()
+        for i, text in enumerate(texts):
+            engine.add_request(f"{tag}-{i}", text, params)
+        first: dict[str, float] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs[0].token_ids and out.request_id not in first:
+                    first[out.request_id] = time.perf_counter() - start
+        return list(first.values()), time.perf_counter() - start
+
+    batch("warm", ["Warm up the engine."] * 2)
+    ttft, wall = batch("run", prompts)
+    return {"ttft_s": ttft, "wall_s": wall, "block_size": engine.vllm_config.cache_config.block_size}
+
+
+def _core(config, prompts: list[str], max_tokens: int) -> dict:
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from deployments.protocol import EntropicCompletionRequest
+    from workers.core import ReplicaCore
+
+    core = ReplicaCore(config, replica_id="prefill", metrics_registry=CollectorRegistry())
+
+    async def batch(texts: list[str]) -> tuple[list[float], float]:
+        start = time.perf_counter()
+
+        async def one(text: str) -> float:
+            request = EntropicCompletionRequest(prompt=text, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            first = None
+            async for _ in core.generate("completion", request):
+                first = first if first is not None else time.perf_counter() - start
+            assert first is not None
+            return first
+
+        ttft = await asyncio.gather(*(one(t) for t in texts))
+        return list(ttft), time.perf_counter() - start
+
+    async def run() -> tuple[list[float], float]:
+        core.start()
+        await batch(["Warm up the engine."] * 2)
+        return await batch(prompts)
+
+    ttft, wall = asyncio.run(run())
+    block_size = core.block_size
+    core.shutdown()
+    return {"ttft_s": ttft, "wall_s": wall, "block_size": block_size}
+
+
+def prompts_of(n: int, tokens: int) -> list[str]:
+    from loadtest import bench_serve
+    from workers.model_store import DEFAULT_MODEL, resolve_model
+
+    path = Path(tempfile.mkdtemp(prefix="bench-prefill-")) / "natural.jsonl"
+    bench_serve.natural_dataset(path, str(resolve_model(DEFAULT_MODEL)), n, tokens)
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=3900)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="docs/results/prefill-split")
+    parser.add_argument("--arm", help=argparse.SUPPRESS)  # the child: run this arm, print JSON
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.arm:
+        prompts = json.loads(Path(args.prompts).read_text())
+        print("RESULT " + json.dumps(run_arm(args.arm, prompts, args.max_tokens)), flush=True)
+        return 0
+
+    from loadtest.machine import cpu_text, publish
+
+    prompts_file = Path(tempfile.mkdtemp(prefix="bench-prefill-")) / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts_of(args.requests, args.tokens)))
+    runs: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+    for r in range(args.rounds):
+        order = args.arms if r % 2 == 0 else list(reversed(args.arms))
+        for arm in order:
+            out = subprocess.run([sys.executable, "-m", "loadtest.bench_prefill", "--arm", arm, "--prompts",
+                                  str(prompts_file), "--max-tokens", str(args.max_tokens)],
+                                 capture_output=True, text=True, timeout=1800)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                raise RuntimeError(f"arm {arm} failed:\n{out.stderr[-4000:]}")
+            result = json.loads(lines[-1][len("RESULT "):])
+            runs[arm].append(result)
+            print(f"round {r + 1} {arm}: mean TTFT {st.mean(result['ttft_s']):.2f} s, wall {result['wall_s']:.2f} s "
+                  f"(block {result['block_size']})", file=sys.stderr, flush=True)
+
+    def mean_ttft(x: dict) -> float:
+        return st.mean(x["ttft_s"])
+
+    ratios = {arm: [mean_ttft(x) / mean_ttft(v) for x, v in zip(runs[arm], runs["vllm"])]
+              for arm in args.arms if arm != "vllm" and "vllm" in runs}
+
+    def render(result: dict) -> str:
+        m = result["machine"]
+        lines = [f"# Time to first token at long prompts, arm by arm ({result['date']})", "",
+                 f"Command: `{result['command']}`", "",
+                 f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, "
+                 f"vllm {m['vllm']}; dtype {m['cpu_dtype_auto']} (`auto`), compiled, one engine thread.", "",
+                 f"{args.requests} prompts of ~{args.tokens} tokens of natural text submitted at once, {args.max_tokens} "
+                 f"tokens each (greedy, ignore_eos); one fresh process per arm and round, arms alternated over "
+                 f"{args.rounds} rounds. TTFT from submission, per request; ratio: the arm's mean TTFT / the `vllm` arm's "
+                 "in the same round.", "",
+                 "| arm | KV block | mean TTFT per round (s) | batch wall per round (s) | mean TTFT / vllm's |",
+                 "|---|---|---|---|---|"]
+        for arm, xs in result["runs"].items():
+            r = result["ratios"].get(arm)
+            cell = f"{st.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}]" if r else "-"
+            ttfts = ", ".join(f"{mean_ttft(x):.2f}" for x in xs)
+            walls = ", ".join(f"{x['wall_s']:.2f}" for x in xs)
+            lines.append(f"| {arm} | {xs[0]['block_size']} | {ttfts} | {walls} | {cell} |")
+        return "\n".join(lines + [""])
+
+    publish("loadtest.bench_prefill", argv, args.out,
+            {"settings": {k: v for k, v in vars(args).items() if k not in ("arm", "prompts")},
+             "runs": runs, "ratios": ratios}, render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
