@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=3900)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/prefill-split")
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # the child: run this arm, print JSON
