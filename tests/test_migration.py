@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import TEST_APP_CONFIG
 
-LONG_TOKENS = 1500
+LONG_TOKENS = 800
 SHORT_TOKENS = 8
 CONFIG = {
     "num_replicas": 2,
