@@ -25,7 +25,9 @@ def describe() -> dict[str, str | int]:
 
     # The flags that choose the engine's dtype and our kernels (kernels.hardware, kernels.cpu_select).
     isa = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"})
-    return {"cpu": cpu, "cpu_flags": " ".join(isa) or "none", "cpu_dtype_auto": resolve_dtype("auto", False),
+    dtype = resolve_dtype("auto", False)
+    return {"cpu": cpu, "cpu_flags": " ".join(isa) or "none",
+            "cpu_dtype_auto": "the model's dtype (this CPU has native bf16)" if dtype == "auto" else dtype,
             "cores": os.cpu_count() or 0, "memory_gib": mem_gib,
             "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
