@@ -44,9 +44,10 @@ def publish(module: str, argv: list[str] | None, out: str, fields: dict, render)
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe(), **fields}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    # Appended, not with_suffix: a name like "rate0.45" has no suffix to replace
+    path.with_name(path.name + ".json").write_text(json.dumps(result, indent=2))
     text = render(result)
-    path.with_suffix(".md").write_text(text)
+    path.with_name(path.name + ".md").write_text(text)
     print(text)
     return result
 
