@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_arm(args.arm, prompts, args.max_tokens)), flush=True)
         return 0
 
-    from loadtest.machine import cpu_text, publish
+    from loadtest.machine import header, publish
 
     prompts_file = Path(tempfile.mkdtemp(prefix="bench-prefill-")) / "prompts.json"
     prompts_file.write_text(json.dumps(prompts_of(args.requests, args.tokens)))
@@ -170,12 +170,9 @@ def main(argv: list[str] | None = None) -> int:
               for arm in args.arms if arm != "vllm" and "vllm" in runs}
 
     def render(result: dict) -> str:
-        m = result["machine"]
-        lines = [f"# Time to first token at long prompts, arm by arm ({result['date']})", "",
-                 f"Command: `{result['command']}`", "",
-                 f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, "
-                 f"vllm {m['vllm']}; dtype {m['cpu_dtype_auto']} (`auto`), compiled, one engine thread.", "",
-                 f"{args.requests} prompts of ~{args.tokens} tokens of natural text submitted at once, {args.max_tokens} "
+        lines = header(result, "Time to first token at long prompts, arm by arm",
+                       f"dtype {result['machine']['cpu_dtype_auto']} (`auto`), compiled, one engine thread")
+        lines += [f"{args.requests} prompts of ~{args.tokens} tokens of natural text submitted at once, {args.max_tokens} "
                  f"tokens each (greedy, ignore_eos); one fresh process per arm and round, arms alternated over "
                  f"{args.rounds} rounds. TTFT from submission, per request; ratio: the arm's mean TTFT / the `vllm` arm's "
                  "in the same round.", "",

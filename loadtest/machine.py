@@ -52,6 +52,14 @@ def publish(module: str, argv: list[str] | None, out: str, fields: dict, render)
     return result
 
 
+def header(result: dict, title: str, engine: str) -> list[str]:
+    """A result file's first lines: its title and date, the command, the machine and ``engine`` (how it ran)."""
+    m = result["machine"]
+    return [f"# {title} ({result['date']})", "", f"Command: `{result['command']}`", "",
+            f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, vllm {m['vllm']}; "
+            f"{engine}.", ""]
+
+
 def cpu_text(machine: dict) -> str:
     """The CPU as a result file names it: model and the flags that chose dtype and kernels."""
     return f"{machine['cpu']} (CPU flags: {machine.get('cpu_flags', 'not recorded')})"
