@@ -36,11 +36,13 @@ def describe() -> dict[str, str | int]:
 def publish(module: str, argv: list[str] | None, out: str, fields: dict, render) -> dict:
     """Stamp a benchmark result with its command, date and machine; write <out>.json and <out>.md."""
     import json
+    import shlex
     import sys
     from datetime import datetime, timezone
     from pathlib import Path
 
-    result = {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+    # Quoted, so the line reruns as printed (an argument may hold spaces: bench-serve's --vllm-args)
+    result = {"command": f"python -m {module} " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe(), **fields}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
