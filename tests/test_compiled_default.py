@@ -112,8 +112,9 @@ def test_routing_step_time_comes_from_decode_steps_only(core):
 
 def test_deltas_carry_the_stop_token_mass_that_ends_the_request(core):
     """The remaining-work predictor's stop feature (workers.sampling): the mass on the request's stop
-    tokens at each step, high at the step where greedy decoding picks EOS."""
-    deltas, = _run(core, [{"messages": [{"role": "user", "content": "What is the capital of France?"}],
+    tokens at each step, high at the step where greedy decoding picks EOS. (Asked to answer in one word: in bf16 the
+    plain question ran past 64 tokens.)"""
+    deltas, = _run(core, [{"messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                            "max_tokens": 64, "temperature": 0}])
     assert deltas[-1].finish_reason == "stop", "the greedy answer did not end at EOS within 64 tokens"
     stops = [d.stop_prob for d in deltas if d.token_ids]

@@ -7,6 +7,9 @@ import math
 import httpx
 import pytest
 
+from kernels.hardware import resolve_dtype
+from tests.conftest import TEST_APP_CONFIG
+
 FACT_PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
@@ -72,6 +75,10 @@ def test_no_logprobs_unless_asked(client, served_model):
     assert done.choices[0].logprobs is None
 
 
+_TOLERANCE = ({"abs": 1e-2} if resolve_dtype(TEST_APP_CONFIG["engine"].get("dtype", "auto"), False) == "float32"
+              else {"rel": 0.1, "abs": 2e-2})
+
+
 def test_echo_scores_the_prompt_as_generation_scored_the_tokens(server, client, served_model):
     """Generate greedily with logprobs, then score prompt + output with echo and max_tokens 0 (what lm-eval's
     loglikelihood requests do): the engine must give the generated tokens the same logprobs both ways."""
@@ -90,7 +97,9 @@ def test_echo_scores_the_prompt_as_generation_scored_the_tokens(server, client, 
     echo = scored.choices[0].logprobs
     assert _ids(echo.tokens) == ids
     assert echo.token_logprobs[0] is None and echo.top_logprobs[0] is None
-    assert echo.token_logprobs[-6:] == pytest.approx(lps.token_logprobs, abs=1e-2)
+    # Scored in one prefill pass vs step by step while decoding: the same math in a different order. In float32
+    # they agree to 1e-2; in bf16 (CPUs with native bf16) one position differed by 0.041 (4.6%) in a CI run
+    assert echo.token_logprobs[-6:] == pytest.approx(lps.token_logprobs, **_TOLERANCE)
     assert all(v <= 0 for v in echo.token_logprobs[1:])
     plain = client.completions.create(model=served_model, prompt=STORY, max_tokens=0, echo=True, temperature=0)
     assert plain.choices[0].text == STORY and plain.choices[0].logprobs is None

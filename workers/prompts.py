@@ -6,6 +6,7 @@ request's fields over the model's generation-config defaults, as vLLM's OpenAI s
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from workers.control_params import PruningControl, SamplingControl
@@ -32,6 +33,9 @@ def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": str(message.get("role", "user")), "content": content}
     calls = message.get("tool_calls")
     if calls:
+        # A message of a role vLLM does not type (e.g. "developer") reaches here unvalidated
+        if not isinstance(calls, (list, tuple)) or not all(isinstance(call, Mapping) for call in calls):
+            raise InvalidRequest("tool_calls must be a list of tool call objects", f"messages[{index}].tool_calls")
         out["tool_calls"] = [_tool_call(dict(call), f"messages[{index}].tool_calls[{i}]") for i, call in enumerate(calls)]
     for name in ("tool_call_id", "name"):
         if message.get(name) is not None:
@@ -40,7 +44,10 @@ def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def _tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
+    function = call.get("function") or {}
+    if not isinstance(function, Mapping):
+        raise InvalidRequest("a tool call's function must be an object", f"{param}.function")
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
