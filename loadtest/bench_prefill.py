@@ -5,10 +5,13 @@
 ``vllm bench serve`` measured our server's mean TTFT on ~3.9K-token prompts above ``vllm serve``'s. This
 splits the engine-side causes from the serving path's: each arm is one fresh process holding one engine
 built from the same ``EngineConfig`` (the shipped defaults: compiled, ``dtype: auto``, one engine thread,
-max_num_seqs 16), given ``--requests`` prompts of ~``--tokens`` tokens of natural text at once (Python's
-documentation, a different stretch each, so the prefix cache never helps; as bench-serve's natural set),
-each asking for ``--max-tokens`` tokens (greedy, ``ignore_eos``). It records each request's time to its
-first token from the moment all were submitted, and the wall time of the batch. Arms:
+max_num_seqs 16), given ``--requests`` prompts of ~``--tokens`` tokens of natural text (Python's documentation, a
+different stretch each, so the prefix cache never helps; as bench-serve's natural set), each asking for
+``--max-tokens`` tokens (greedy, ``ignore_eos``). All at once by default; with ``--concurrency C``,
+closed-loop as ``vllm bench serve --max-concurrency C`` drives a server: C in flight, the next submitted
+when one finishes, so prefill chunks of new requests share steps with the others' decodes. It records
+each request's time to its first token from its own submission, the gaps between its tokens, and the
+wall time of the batch. Arms:
 
 * ``vllm``: vLLM's ``LLMEngine`` stepped bare, our plugin not loaded (vLLM's CPU attention, its default
   KV block size, FCFS, no logits processor of ours): the engine ``vllm serve`` runs;
@@ -45,8 +48,9 @@ def _config(arm: str):
                          scheduling=SchedulingConfig(enabled=arm != "core-fcfs"))
 
 
-def run_arm(arm: str, prompts: list[str], max_tokens: int) -> dict:
-    """In this process: build the arm's engine, warm it, submit every prompt at once, time first tokens."""
+def run_arm(arm: str, prompts: list[str], max_tokens: int, concurrency: int | None = None) -> dict:
+    """In this process: build the arm's engine, warm it, submit the prompts (``concurrency`` in flight;
+    None: all at once), time each request's tokens."""
     if arm == "vllm":
         os.environ["VLLM_PLUGINS"] = "none-of-ours"  # before vLLM loads its plugins
     from workers.engine import configure_process_env
@@ -56,10 +60,12 @@ def run_arm(arm: str, prompts: list[str], max_tokens: int) -> dict:
     from workers.model_store import resolve_model
 
     model = str(resolve_model(config.model))
-    return _bare(config, model, prompts, max_tokens) if arm == "vllm" else _core(config, prompts, max_tokens)
+    if arm == "vllm":
+        return _bare(config, model, prompts, max_tokens, concurrency)
+    return _core(config, prompts, max_tokens, concurrency)
 
 
-def _bare(config, model: str, prompts: list[str], max_tokens: int) -> dict:
+def _bare(config, model: str, prompts: list[str], max_tokens: int, concurrency: int | None) -> dict:
     from vllm import EngineArgs, SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -68,23 +74,40 @@ def _bare(config, model: str, prompts: list[str], max_tokens: int) -> dict:
     engine = LLMEngine.from_engine_args(EngineArgs(**{**kwargs, "disable_log_stats": True}))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
-    def batch(tag: str, texts: list[str]) -> tuple[list[float], float]:
+    def batch(tag: str, texts: list[str], limit: int) -> tuple[list[float], list[float], float]:
         start = time.perf_counter()
-        for i, text in enumerate(texts):
+        pending = list(enumerate(texts))
+        submitted: dict[str, float] = {}
+        seen: dict[str, list[float]] = {}
+
+        def submit() -> None:
+            i, text = pending.pop(0)
+            submitted[f"{tag}-{i}"] = time.perf_counter()
             engine.add_request(f"{tag}-{i}", text, params)
-        first: dict[str, float] = {}
+
+        while pending and len(submitted) < limit:
+            submit()
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.outputs[0].token_ids and out.request_id not in first:
-                    first[out.request_id] = time.perf_counter() - start
-        return list(first.values()), time.perf_counter() - start
+                if out.outputs[0].token_ids:
+                    seen.setdefault(out.request_id, []).append(time.perf_counter())
+                if out.finished and pending:
+                    submit()
+        return _ttft_gaps(submitted, seen) + (time.perf_counter() - start,)
 
-    batch("warm", ["Warm up the engine."] * 2)
-    ttft, wall = batch("run", prompts)
-    return {"ttft_s": ttft, "wall_s": wall, "block_size": engine.vllm_config.cache_config.block_size}
+    batch("warm", ["Warm up the engine."] * 2, 2)
+    ttft, gaps, wall = batch("run", prompts, concurrency or len(prompts))
+    return {"ttft_s": ttft, "gap_s": gaps, "wall_s": wall, "block_size": engine.vllm_config.cache_config.block_size}
 
 
-def _core(config, prompts: list[str], max_tokens: int) -> dict:
+def _ttft_gaps(submitted: dict[str, float], seen: dict[str, list[float]]) -> tuple[list[float], list[float]]:
+    """Each request's time to first token from its submission, and every gap between its tokens."""
+    ttft = [seen[k][0] - t for k, t in submitted.items()]
+    gaps = [b - a for times in seen.values() for a, b in zip(times, times[1:])]
+    return ttft, gaps
+
+
+def _core(config, prompts: list[str], max_tokens: int, concurrency: int | None) -> dict:
     import asyncio
 
     from prometheus_client import CollectorRegistry
@@ -94,29 +117,35 @@ def _core(config, prompts: list[str], max_tokens: int) -> dict:
 
     core = ReplicaCore(config, replica_id="prefill", metrics_registry=CollectorRegistry())
 
-    async def batch(texts: list[str]) -> tuple[list[float], float]:
+    async def batch(texts: list[str], limit: int) -> tuple[list[float], list[float], float]:
         start = time.perf_counter()
+        slots = asyncio.Semaphore(limit)
+        submitted: dict[str, float] = {}
+        seen: dict[str, list[float]] = {}
 
-        async def one(text: str) -> float:
-            request = EntropicCompletionRequest(prompt=text, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            first = None
-            async for _ in core.generate("completion", request):
-                first = first if first is not None else time.perf_counter() - start
-            assert first is not None
-            return first
+        async def one(key: str, text: str) -> None:
+            async with slots:
+                request = EntropicCompletionRequest(prompt=text, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                submitted[key] = time.perf_counter()
+                async for _ in core.generate("completion", request):
+                    seen.setdefault(key, []).append(time.perf_counter())
 
-        ttft = await asyncio.gather(*(one(t) for t in texts))
-        return list(ttft), time.perf_counter() - start
+        await asyncio.gather(*(one(str(i), t) for i, t in enumerate(texts)))
+        return _ttft_gaps(submitted, seen) + (time.perf_counter() - start,)
 
-    async def run() -> tuple[list[float], float]:
+    async def run() -> tuple[list[float], list[float], float]:
         core.start()
-        await batch(["Warm up the engine."] * 2)
-        return await batch(prompts)
+        await batch(["Warm up the engine."] * 2, 2)
+        return await batch(prompts, concurrency or len(prompts))
 
-    ttft, wall = asyncio.run(run())
+    ttft, gaps, wall = asyncio.run(run())
     block_size = core.block_size
     core.shutdown()
-    return {"ttft_s": ttft, "wall_s": wall, "block_size": block_size}
+    return {"ttft_s": ttft, "gap_s": gaps, "wall_s": wall, "block_size": block_size}
+
+
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
 
 
 def prompts_of(n: int, tokens: int) -> list[str]:
@@ -134,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=3900)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, help="requests in flight, closed loop (default: all at once)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/prefill-split")
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # the child: run this arm, print JSON
@@ -141,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.arm:
         prompts = json.loads(Path(args.prompts).read_text())
-        print("RESULT " + json.dumps(run_arm(args.arm, prompts, args.max_tokens)), flush=True)
+        print("RESULT " + json.dumps(run_arm(args.arm, prompts, args.max_tokens, args.concurrency)), flush=True)
         return 0
 
     from loadtest.machine import header, publish
@@ -153,18 +183,22 @@ def main(argv: list[str] | None = None) -> int:
         order = args.arms if r % 2 == 0 else list(reversed(args.arms))
         for arm in order:
             out = subprocess.run([sys.executable, "-m", "loadtest.bench_prefill", "--arm", arm, "--prompts",
-                                  str(prompts_file), "--max-tokens", str(args.max_tokens)],
+                                  str(prompts_file), "--max-tokens", str(args.max_tokens)]
+                                 + (["--concurrency", str(args.concurrency)] if args.concurrency else []),
                                  capture_output=True, text=True, timeout=1800)
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode != 0 or not lines:
                 raise RuntimeError(f"arm {arm} failed:\n{out.stderr[-4000:]}")
             result = json.loads(lines[-1][len("RESULT "):])
             runs[arm].append(result)
-            print(f"round {r + 1} {arm}: mean TTFT {st.mean(result['ttft_s']):.2f} s, wall {result['wall_s']:.2f} s "
-                  f"(block {result['block_size']})", file=sys.stderr, flush=True)
+            print(f"round {r + 1} {arm}: mean TTFT {st.mean(result['ttft_s']):.2f} s, p99 gap {p99(result['gap_s']):.2f} s, "
+                  f"wall {result['wall_s']:.2f} s (block {result['block_size']})", file=sys.stderr, flush=True)
 
     def mean_ttft(x: dict) -> float:
         return st.mean(x["ttft_s"])
+
+    def mean_gap(x: dict) -> float:
+        return st.mean(x["gap_s"])
 
     ratios = {arm: [mean_ttft(x) / mean_ttft(v) for x, v in zip(runs[arm], runs["vllm"])]
               for arm in args.arms if arm != "vllm" and "vllm" in runs}
@@ -172,18 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     def render(result: dict) -> str:
         lines = header(result, "Time to first token at long prompts, arm by arm",
                        f"dtype {result['machine']['cpu_dtype_auto']} (`auto`), compiled, one engine thread")
-        lines += [f"{args.requests} prompts of ~{args.tokens} tokens of natural text submitted at once, {args.max_tokens} "
+        arrival = (f"closed loop, {args.concurrency} in flight" if args.concurrency else "submitted at once")
+        lines += [f"{args.requests} prompts of ~{args.tokens} tokens of natural text, {arrival}, {args.max_tokens} "
                  f"tokens each (greedy, ignore_eos); one fresh process per arm and round, arms alternated over "
-                 f"{args.rounds} rounds. TTFT from submission, per request; ratio: the arm's mean TTFT / the `vllm` arm's "
-                 "in the same round.", "",
-                 "| arm | KV block | mean TTFT per round (s) | batch wall per round (s) | mean TTFT / vllm's |",
-                 "|---|---|---|---|---|"]
+                 f"{args.rounds} rounds. TTFT from each request's submission; gap: time between a request's "
+                 "consecutive outputs (ITL); ratio: the arm's mean TTFT / the `vllm` arm's in the same round.", "",
+                 "| arm | KV block | mean TTFT per round (s) | mean / p99 gap per round (s) | batch wall per round (s) "
+                 "| mean TTFT / vllm's |",
+                 "|---|---|---|---|---|---|"]
         for arm, xs in result["runs"].items():
             r = result["ratios"].get(arm)
             cell = f"{st.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}]" if r else "-"
             ttfts = ", ".join(f"{mean_ttft(x):.2f}" for x in xs)
+            gaps = ", ".join(f"{mean_gap(x):.2f} / {p99(x['gap_s']):.2f}" if x.get("gap_s") else "-" for x in xs)
             walls = ", ".join(f"{x['wall_s']:.2f}" for x in xs)
-            lines.append(f"| {arm} | {xs[0]['block_size']} | {ttfts} | {walls} | {cell} |")
+            lines.append(f"| {arm} | {xs[0]['block_size']} | {ttfts} | {gaps} | {walls} | {cell} |")
         return "\n".join(lines + [""])
 
     publish("loadtest.bench_prefill", argv, args.out,
