@@ -7,6 +7,7 @@ import pytest
 from workers.tracking import PriorityBoard
 
 MAX_TOKENS = 12
+BUDGET = 64  # tokens per step: a prompt longer than this is prefilled in chunks over several steps
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +20,7 @@ def engine(model_dir):
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model_dir), enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0, dtype="float32",
+        max_num_batched_tokens=BUDGET, enable_chunked_prefill=True,
         scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority", disable_log_stats=True))
     scheduler = engine.engine_core.engine_core.scheduler
     scheduler.board = PriorityBoard()
@@ -120,3 +122,41 @@ def test_decode_steps_follow_grants_and_paused_requests_resume_in_place(engine):
         assert finished == {"grant-hi": MAX_TOKENS, "grant-lo": MAX_TOKENS}  # the paused request resumed in place
     finally:
         scheduler.grants = None
+
+
+def test_a_higher_pi_prompt_in_chunked_prefill_never_starves_decoding_requests(engine):
+    """vLLM hands the token budget to running requests in list order; a prompt's chunk asks for all of it.
+    Ranked first by π it left the decoding requests out of every step until its prompt was in."""
+    from vllm import SamplingParams
+
+    from workers.control_params import SamplingControl
+
+    engine, scheduler = engine
+
+    def add(key: str, prompt: str) -> None:
+        extra = SamplingControl(enabled=False).request_args(key, 0.0).into(None)
+        engine.add_request(key, prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                       extra_args=extra))
+
+    add("starve-dec", "Name a colour.")
+    produced: dict[str, int] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+
+    step()
+    assert produced == {"starve-dec": 1}
+    long_prompt = " ".join(f"item {i}," for i in range(60))  # ~180 tokens: three chunks or more
+    assert len(engine.get_tokenizer().encode(long_prompt)) > 2 * BUDGET
+    add("starve-pre", long_prompt)
+    steps = 0
+    while "starve-pre" not in produced:
+        # As the replica's control loop does, every so often: admitted, the prompt is running mid-prefill
+        scheduler.board.publish({"starve-dec": 0.1, "starve-pre": 50.0})
+        before = produced["starve-dec"]
+        step()
+        steps += 1
+        assert produced["starve-dec"] == before + 1, f"step {steps}: the decoding request was left out"
+    assert steps >= 3  # the prompt did take several chunks, each sharing its step with the decode
+    _drain(engine)

@@ -123,6 +123,10 @@ def test_scheduler_internals_we_use():
     assert "self.block_pool" in inspect.getsource(KVCacheManager.__init__)
     assert "self.num_gpu_blocks" in inspect.getsource(BlockPool.__init__) and hasattr(BlockPool, "get_num_free_blocks")
     assert "self.priority" in inspect.getsource(Request.__lt__)
+    # workers/scheduler.py puts decodes first because the budget goes to `running` in list order, and
+    # tells a chunked prefill from a decode by what is left to compute
+    assert "while req_index < len(self.running) and token_budget > 0" in inspect.getsource(Scheduler.schedule)
+    assert "self.num_computed_tokens" in inspect.getsource(Request.__init__) and hasattr(Request, "num_tokens")
 
 
 def test_what_migration_reads_of_a_waiting_request():
