@@ -29,15 +29,15 @@ def engine(model_dir):
         engine.step()
 
 
-def _add(engine, keys):
+def _add(engine, keys, prompt: str | None = None, max_tokens: int = MAX_TOKENS):
     from vllm import SamplingParams
 
     from workers.control_params import SamplingControl
 
     for key in keys:  # the request contract as served (workers.control_params.EntropicArgs)
         extra = SamplingControl(enabled=False).request_args(key, 0.0).into(None)
-        engine.add_request(key, f"Tell me about the number {key}.", SamplingParams(
-            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra))
+        engine.add_request(key, prompt or f"Tell me about the number {key}.", SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra))
 
 
 def _running(scheduler) -> set[str]:
@@ -127,18 +127,8 @@ def test_decode_steps_follow_grants_and_paused_requests_resume_in_place(engine):
 def test_a_higher_pi_prompt_in_chunked_prefill_never_starves_decoding_requests(engine):
     """vLLM hands the token budget to running requests in list order; a prompt's chunk asks for all of it.
     Ranked first by π it left the decoding requests out of every step until its prompt was in."""
-    from vllm import SamplingParams
-
-    from workers.control_params import SamplingControl
-
     engine, scheduler = engine
-
-    def add(key: str, prompt: str) -> None:
-        extra = SamplingControl(enabled=False).request_args(key, 0.0).into(None)
-        engine.add_request(key, prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                       extra_args=extra))
-
-    add("starve-dec", "Name a colour.")
+    _add(engine, ["starve-dec"], "Name a colour.", max_tokens=40)
     produced: dict[str, int] = {}
 
     def step() -> None:
@@ -149,7 +139,7 @@ def test_a_higher_pi_prompt_in_chunked_prefill_never_starves_decoding_requests(e
     assert produced == {"starve-dec": 1}
     long_prompt = " ".join(f"item {i}," for i in range(60))  # ~180 tokens: three chunks or more
     assert len(engine.get_tokenizer().encode(long_prompt)) > 2 * BUDGET
-    add("starve-pre", long_prompt)
+    _add(engine, ["starve-pre"], long_prompt, max_tokens=40)
     steps = 0
     while "starve-pre" not in produced:
         # As the replica's control loop does, every so often: admitted, the prompt is running mid-prefill
