@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.stats import percentile
+
 ARMS = ("vllm", "core", "core-block128", "core-fcfs", "core-plain")
 
 
@@ -145,7 +147,8 @@ def _core(config, prompts: list[str], max_tokens: int, concurrency: int | None) 
 
 
 def p99(xs: list[float]) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+    value = percentile(xs, 0.99)
+    return float("nan") if value is None else value
 
 
 def prompts_of(n: int, tokens: int) -> list[str]:

@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import statistics as st
 import subprocess
@@ -35,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.stats import percentile
 from loadtest.workload import CHECKABLE, FILLER, FREE_FORM
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -238,13 +240,6 @@ async def drive(base: str, args: argparse.Namespace) -> tuple[list[dict], list[d
     return rows, events, memory
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summarize(rows: list[dict], memory: list[dict], minutes: float) -> dict:
     outcomes: dict[str, dict[str, int]] = {}
     for row in rows:
@@ -257,17 +252,23 @@ def summarize(rows: list[dict], memory: list[dict], minutes: float) -> dict:
         ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
         bad = sum(1 for r in rows if start <= r["sent"] < start + 120
                   and r["outcome"] in ("server_error", "in_band_error", "transport", "wrong"))
-        windows.append({"from_s": start, "ok": len(ok), "failed": bad, "chat_p50_s": _percentile(chat, 0.5),
-                        "chat_p99_s": _percentile(chat, 0.99), "ttft_p50_s": _percentile(ttft, 0.5)})
-    warm = 0.2 * minutes * 60
+        windows.append({"from_s": start, "ok": len(ok), "failed": bad, "chat_p50_s": percentile(chat, 0.5),
+                        "chat_p99_s": percentile(chat, 0.99), "ttft_p50_s": percentile(ttft, 0.5)})
+    return {"outcomes": outcomes, "windows": windows, "rss_after_warmup": memory_growth(memory, 0.2 * minutes * 60)}
+
+
+def memory_growth(memory: list[dict], warm_s: float) -> dict[str, dict]:
+    """RSS growth of each process from its first sample ``warm_s`` after its own first sample: a replacement
+    started midway (a killed replica's engine) warms up as the first ones did, loading its model included."""
     growth = {}
     for pid in sorted({m["pid"] for m in memory}):
-        series = [m for m in memory if m["pid"] == pid and m["t"] >= warm]
+        own = [m for m in memory if m["pid"] == pid]
+        series = [m for m in own if m["t"] >= own[0]["t"] + warm_s]
         if len(series) >= 2:
             growth[str(pid)] = {"role": series[0]["role"], "from_mib": series[0]["rss_mib"],
                                 "to_mib": series[-1]["rss_mib"], "over_s": series[-1]["t"] - series[0]["t"],
                                 "growth": series[-1]["rss_mib"] / series[0]["rss_mib"] - 1}
-    return {"outcomes": outcomes, "windows": windows, "rss_after_warmup": growth}
+    return growth
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests/s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/results/soak")
+    parser.add_argument("--resummarize", metavar="RESULT", help="recompute the memory table of a published result "
+                        "(RESULT.json, its saved samples) with this version's summary, and rewrite RESULT.{json,md}")
     args = parser.parse_args(argv)
+    if args.resummarize:
+        return resummarize(Path(args.resummarize), argv)
 
     import httpx
 
@@ -313,6 +318,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def resummarize(result_path: Path, argv: list[str] | None) -> int:
+    """The run's samples are in its JSON: a fix to how they are read needs no second 30-minute run."""
+    from datetime import datetime, timezone
+
+    path = result_path.with_name(result_path.name + ".json")
+    result = json.loads(path.read_text())
+    result["rss_after_warmup"] = memory_growth(result["memory_samples"], 0.2 * result["settings"]["minutes"] * 60)
+    result["resummarized"] = {"command": "python -m loadtest.soak " + shlex.join(argv if argv is not None else sys.argv[1:]),
+                              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    path.write_text(json.dumps(result, indent=2))
+    text = _markdown(result)
+    result_path.with_name(result_path.name + ".md").write_text(text)
+    print(text)
+    return 0
+
+
 def _markdown(result: dict) -> str:
     from loadtest.machine import cpu_text
 
@@ -324,6 +345,9 @@ def _markdown(result: dict) -> str:
              f"{result['settings']['rate']} requests/s (Poisson), mix {result['mix']}; {result['requests']} requests. "
              "Kills: " + "; ".join(f"{e['killed']} (pid {e['pid']}) at {e['t']:.0f} s" for e in result["events"]),
              "", "## Outcomes", "", "| outcome | requests by kind |", "|---|---|"]
+    if "resummarized" in result:
+        again = result["resummarized"]
+        lines[5:5] = ["", f"Memory table recomputed from the run's samples on {again['date']}: `{again['command']}`"]
     for outcome, by_kind in sorted(result["outcomes"].items()):
         lines.append(f"| {outcome} | {', '.join(f'{k}: {n}' for k, n in sorted(by_kind.items()))} |")
     lines += ["", "## Over time (2-minute windows, by send time)", "",
@@ -335,7 +359,7 @@ def _markdown(result: dict) -> str:
     for w in result["windows"]:
         lines.append(f"| {w['from_s']} s | {w['ok']} | {w['failed']} | {s(w['chat_p50_s'])} | {s(w['chat_p99_s'])} "
                      f"| {s(w['ttft_p50_s'])} |")
-    lines += ["", "## Resident memory after warm-up (the first 20% of the run)", "",
+    lines += ["", "## Resident memory after warm-up (a process's own first 20% of the run's length)", "",
               "| process | pid | from | to | over | growth |", "|---|---|---|---|---|---|"]
     for pid, g in result["rss_after_warmup"].items():
         lines.append(f"| {g['role']} | {pid} | {g['from_mib']:.0f} MiB | {g['to_mib']:.0f} MiB | {g['over_s']:.0f} s "
