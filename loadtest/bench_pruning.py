@@ -32,13 +32,19 @@ from loadtest.machine import cpu_text
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
-def _prompts(tokenizer, context: int, batch: int) -> list[str]:
+def filler_prompts(tokenizer, context: int, batch: int) -> list[str]:
     per = len(tokenizer.encode(FILLER, add_special_tokens=False))
     body = FILLER * max(1, (context - 40) // per)
     return [f"{body}\nQuestion {i}: what colour is the sky? Answer:" for i in range(batch)]
 
 
-async def _batch(core, prompts: list[str], max_tokens: int, overrides: dict | None) -> None:
+def keep_overrides(keep: float | None) -> dict | None:
+    """A request's ``entropic`` overrides that fix its kept fraction from the first decode step (as the
+    fidelity tests do); None: the deployment's law."""
+    return None if keep is None else {"pruning": {"keep_min": keep, "entropy_high": 20.0, "max_step": 1.0}}
+
+
+async def run_batch(core, prompts: list[str], max_tokens: int, overrides: dict | None) -> None:
     from deployments.protocol import EntropicCompletionRequest
 
     async def one(prompt: str) -> None:
@@ -53,9 +59,7 @@ async def _measure(core, args) -> dict:
     from workers.pruning_state import STATE
 
     pruned = args.worker == "pruned"
-    # --keep fixes the kept fraction from the first decode step (as the fidelity tests do); else the law
-    overrides = None if not pruned or args.keep is None else {
-        "pruning": {"keep_min": args.keep, "entropy_high": 20.0, "max_step": 1.0}}
+    overrides = keep_overrides(args.keep) if pruned else None
     config = core.runner.engine.vllm_config.model_config.hf_config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
@@ -65,16 +69,16 @@ async def _measure(core, args) -> dict:
     core.start()
     results = []
     for context in args.contexts:
-        prompts = _prompts(tokenizer, context, args.batch)
+        prompts = filler_prompts(tokenizer, context, args.batch)
         tokens = len(tokenizer.encode(prompts[0]))
-        await _batch(core, prompts, 1, overrides)  # warm the prefix cache
+        await run_batch(core, prompts, 1, overrides)  # warm the prefix cache
         rates = []
         before = vars(STATE.stats).copy()
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            await _batch(core, prompts, 1, overrides)
+            await run_batch(core, prompts, 1, overrides)
             t1 = time.perf_counter()
-            await _batch(core, prompts, args.new_tokens, overrides)
+            await run_batch(core, prompts, args.new_tokens, overrides)
             t2 = time.perf_counter()
             rates.append(args.batch * (args.new_tokens - 1) / ((t2 - t1) - (t1 - t0)))
         after = vars(STATE.stats)
@@ -94,9 +98,10 @@ async def _measure(core, args) -> dict:
     return {"results": results}
 
 
-def worker(args) -> dict:
-    """One process, one replica core: ``plain`` is vLLM as shipped (``telemetry: false``, and the parent
-    keeps our plugin out), ``pruned`` the served configuration with pruning on."""
+def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: int, kv_gib: int,
+              dtype: str = "float32"):
+    """One replica core: ``plain`` is vLLM as shipped (``telemetry: false``, and the process was started
+    with ``plain_env``), ``pruned`` the served configuration with pruning on."""
     from prometheus_client import CollectorRegistry
 
     from controller.config import SchedulingConfig
@@ -104,21 +109,29 @@ def worker(args) -> dict:
     from workers.control_params import PruningControl, SamplingControl
     from workers.core import ReplicaCore
 
-    pruned = args.worker == "pruned"
+    pruned = kind == "pruned"
     config = ReplicaConfig(
-        model=args.model, telemetry=pruned,
-        engine=EngineConfig(max_model_len=8192, max_num_seqs=args.batch, block_size=args.block_size, dtype="float32",
-                            cpu_threads=args.threads, kv_cache_space_gib=args.kv_gib),
+        model=model, telemetry=pruned,
+        engine=EngineConfig(max_model_len=8192, max_num_seqs=batch, block_size=block_size, dtype=dtype,
+                            cpu_threads=threads, kv_cache_space_gib=kv_gib),
         sampling=SamplingControl(enabled=False), pruning=PruningControl(enabled=pruned),
         scheduling=SchedulingConfig(enabled=False))
-    core = ReplicaCore(config, replica_id=args.worker, metrics_registry=CollectorRegistry())
+    return ReplicaCore(config, replica_id=kind, metrics_registry=CollectorRegistry())
+
+
+def plain_env() -> dict[str, str]:
+    """The environment of a ``plain`` process: no general plugin of ours, so vLLM's own CPU attention."""
+    return {**os.environ, "VLLM_PLUGINS": "none-of-ours"}
+
+
+def worker(args) -> dict:
+    core = make_core(args.worker, model=args.model, batch=args.batch, block_size=args.block_size,
+                     threads=args.threads, kv_gib=args.kv_gib)
     return asyncio.run(_measure(core, args))
 
 
 def _run_worker(kind: str, block_size: int, args) -> dict:
-    env = dict(os.environ)
-    if kind == "plain":
-        env["VLLM_PLUGINS"] = "none-of-ours"  # load no general plugin: vLLM's own CPU attention
+    env = plain_env() if kind == "plain" else dict(os.environ)
     cmd = [sys.executable, "-m", "loadtest.bench_pruning", "--worker", kind, "--block-size", str(block_size),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
            "--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model,
