@@ -33,12 +33,20 @@ def exact_entropy(logits: torch.Tensor) -> torch.Tensor:
     16 x 49152 float32 rows on two AVX2 cores, which is the difference between ~1% and
     ~3.5% of a decode step there.
     """
+    return exact_entropy_and_log_norm(logits)[0]
+
+
+def exact_entropy_and_log_norm(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, log sum exp z) of each row: the normalizer falls out of the entropy's passes, so a caller that
+    also needs probabilities (the stop-token mass) pays no logsumexp pass of its own."""
     z = logits.float()
-    shifted = z - z.amax(dim=-1, keepdim=True)
+    peak = z.amax(dim=-1, keepdim=True)
+    shifted = z - peak
     shifted.clamp_(min=-1e4)  # masked tokens: exp() is 0 and 0 * shifted stays 0, not nan
     e = shifted.exp()
     total = e.sum(dim=-1)
-    return total.log() - torch.linalg.vecdot(e, shifted) / total
+    log_total = total.log()
+    return log_total - torch.linalg.vecdot(e, shifted) / total, log_total + peak.squeeze(-1)
 
 
 def _binary_entropy(m: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.entropy import Estimator, estimate, exact_entropy, topk_entropies
+from kernels.entropy import Estimator, estimate, exact_entropy, exact_entropy_and_log_norm, topk_entropies
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,6 +22,14 @@ def test_exact_matches_float64_reference(tempered):
     p = torch.softmax(tempered.double(), -1)
     reference = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
     assert torch.allclose(exact_entropy(tempered).double(), reference, atol=2e-4, rtol=1e-5)
+
+
+def test_the_log_normalizer_of_the_entropy_pass_is_logsumexp_masked_tokens_too(tempered):
+    z = tempered.clone()
+    z[:, 1000:40000] = float("-inf")
+    entropy, log_norm = exact_entropy_and_log_norm(z)
+    assert torch.allclose(log_norm.double(), torch.logsumexp(z.double(), -1), atol=1e-4, rtol=1e-6)
+    assert torch.equal(entropy, exact_entropy(z))
 
 
 @pytest.mark.parametrize("k", [1, 8, 64, 512])

@@ -39,7 +39,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from controller.laws.temperature import TemperatureLaw, next_temperature, smoothed_entropy
-from kernels.entropy import Estimator, estimate
+from kernels.entropy import Estimator, estimate, exact_entropy_and_log_norm
 from workers.control_params import EXTRA_ARGS_KEY, EntropicArgs
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
@@ -188,16 +188,20 @@ class EntropicLogitsProcessor(LogitsProcessor):
 
         started = time.perf_counter()
         groups = _group_by_estimator(states)
+        log_norm = None
         if len(groups) == 1:
             (est, k), = groups
-            entropy = estimate(scaled, est, k)
+            if est is Estimator.EXACT and not scaled.is_cuda:
+                entropy, log_norm = exact_entropy_and_log_norm(scaled)
+            else:
+                entropy = estimate(scaled, est, k)
         else:
             entropy = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
             for (est, k), members in groups.items():
                 sel = torch.tensor(members, device=logits.device)
                 entropy.index_copy_(0, sel, estimate(scaled.index_select(0, sel), est, k))
         values = entropy.tolist()
-        self._record_stop_mass(scaled, states)
+        self._record_stop_mass(scaled, states, log_norm)
         self.estimator_seconds += time.perf_counter() - started
 
         for state, h in zip(states, values):
@@ -205,16 +209,18 @@ class EntropicLogitsProcessor(LogitsProcessor):
         return logits
 
     @staticmethod
-    def _record_stop_mass(scaled: torch.Tensor, states: list[_RequestState]) -> None:
+    def _record_stop_mass(scaled: torch.Tensor, states: list[_RequestState], log_norm: torch.Tensor | None) -> None:
         """p(stop token) per row of ``scaled`` [rows, vocab] (the distribution whose entropy is recorded):
-        a feature of the controller's remaining-work predictor."""
+        a feature of the controller's remaining-work predictor. ``log_norm`` [rows]: each row's log-sum-exp,
+        when the entropy pass computed it."""
         vocab = scaled.shape[1]
         row_of = [j for j, s in enumerate(states) for t in s.stop_ids if t < vocab]
         if not row_of:
             return
         ids = [t for s in states for t in s.stop_ids if t < vocab]
         rows = torch.tensor(row_of, device=scaled.device)
-        log_norm = torch.logsumexp(scaled.float(), dim=-1)  # [rows]
+        if log_norm is None:
+            log_norm = torch.logsumexp(scaled.float(), dim=-1)  # [rows]
         picked = (scaled[rows, torch.tensor(ids, device=scaled.device)].float() - log_norm[rows]).exp()
         mass = torch.zeros(len(states), device=scaled.device).index_add_(0, rows, picked).tolist()
         for j in set(row_of):
