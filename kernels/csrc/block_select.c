@@ -41,25 +41,62 @@ static float kth_largest(float *a, int n, int k) {
     return a[target];
 }
 
-/* a . b over n floats (n a multiple of 8 on the vector path, which is every head size vLLM serves) */
-static inline float dot(const float *a, const float *b, int n) {
+/* max over g < group of sq[g] . s, the rows sq[g] being n floats apart. The group's dot products share
+ * each load of s and run as independent FMA chains (one per query head, two per head when the group is
+ * small), so the core's FMA units stay busy instead of waiting on one chain's latency, as they did with
+ * one dot product after another. GROUP is a constant at every call site, so the accumulators live in
+ * registers. */
 #if defined(__AVX2__) && defined(__FMA__)
-    if ((n & 15) == 0) {
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (int c = 0; c < n; c += 16) {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), acc1);
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __attribute__((always_inline)) float max_dot_fixed(const float *sq, const float *s, int n,
+                                                                 const int GROUP) {
+    __m256 even[8], odd[8];
+    for (int g = 0; g < GROUP; g++) even[g] = odd[g] = _mm256_setzero_ps();
+    for (int c = 0; c < n; c += 16) {
+        __m256 s0 = _mm256_loadu_ps(s + c), s1 = _mm256_loadu_ps(s + c + 8);
+        for (int g = 0; g < GROUP; g++) {
+            even[g] = _mm256_fmadd_ps(_mm256_loadu_ps(sq + g * n + c), s0, even[g]);
+            odd[g] = _mm256_fmadd_ps(_mm256_loadu_ps(sq + g * n + c + 8), s1, odd[g]);
         }
-        __m256 acc = _mm256_add_ps(acc0, acc1);
-        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-        lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-        return _mm_cvtss_f32(lo);
+    }
+    float best = -INFINITY;
+    for (int g = 0; g < GROUP; g++) {
+        float v = hsum256(_mm256_add_ps(even[g], odd[g]));
+        if (v > best) best = v;
+    }
+    return best;
+}
+#endif
+
+static float max_dot(const float *sq, const float *s, int group, int n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((n & 15) == 0) { /* every head size vLLM serves: 2 * d with d a multiple of 8 */
+        switch (group) {
+            case 1: return max_dot_fixed(sq, s, n, 1);
+            case 2: return max_dot_fixed(sq, s, n, 2);
+            case 3: return max_dot_fixed(sq, s, n, 3);
+            case 4: return max_dot_fixed(sq, s, n, 4);
+            case 5: return max_dot_fixed(sq, s, n, 5);
+            case 6: return max_dot_fixed(sq, s, n, 6);
+            case 7: return max_dot_fixed(sq, s, n, 7);
+            case 8: return max_dot_fixed(sq, s, n, 8);
+            default: break;
+        }
     }
 #endif
-    float acc = 0.f;
-    for (int c = 0; c < n; c++) acc += a[c] * b[c];
-    return acc;
+    float best = -INFINITY;
+    for (int g = 0; g < group; g++) {
+        float acc = 0.f;
+        for (int c = 0; c < n; c++) acc += sq[g * n + c] * s[c];
+        if (acc > best) best = acc;
+    }
+    return best;
 }
 
 int entropic_select_blocks(const float *q, const float *summaries, int64_t num_blocks,
@@ -86,11 +123,8 @@ int entropic_select_blocks(const float *q, const float *summaries, int64_t num_b
             const float *sh = summaries + (int64_t)h * num_blocks * d2;
             for (int w = 0; w < width; w++) {
                 if (isinf(b[w])) continue; /* forced in or out: no need to score */
-                const float *s = sh + phys[w] * d2;
-                for (int g = 0; g < group; g++) {
-                    float acc = dot(signed_q + g * d2, s, d2);
-                    if (acc > scores[w]) scores[w] = acc;
-                }
+                float acc = max_dot(signed_q, sh + phys[w] * d2, group, d2);
+                if (acc > scores[w]) scores[w] = acc;
             }
         }
         for (int w = 0; w < width; w++) scores[w] = isinf(b[w]) ? b[w] : b[w] + scale * scores[w];
