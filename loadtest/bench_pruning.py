@@ -67,6 +67,7 @@ async def _measure(core, args) -> dict:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
     layers = config.num_hidden_layers
+    itemsize = core.runner.engine.vllm_config.model_config.dtype.itemsize  # of the KV cache too (its dtype: auto)
     tokenizer = core.runner.tokenizer
     STATE.fused_selection = args.selection == "fused"
     core.start()
@@ -87,7 +88,7 @@ async def _measure(core, args) -> dict:
         after = vars(STATE.stats)
         decode_tokens = args.reps * args.batch * (args.new_tokens - 1)
         dense_flops = 4 * heads * head_dim * tokens * layers
-        dense_bytes = 2 * kv_heads * head_dim * 4 * tokens * layers
+        dense_bytes = 2 * kv_heads * head_dim * itemsize * tokens * layers
         total = after["blocks_total"] - before["blocks_total"]
         row = {"context": context, "prompt_tokens": tokens, "decode_tok_s": statistics.median(rates), "rates": rates,
                "kept_ratio": (after["blocks_kept"] - before["blocks_kept"]) / total if total else 1.0,
@@ -129,8 +130,9 @@ def plain_env() -> dict[str, str]:
 
 def worker(args) -> dict:
     core = make_core(args.worker, model=args.model, batch=args.batch, block_size=args.block_size,
-                     threads=args.threads, kv_gib=args.kv_gib)
-    return asyncio.run(_measure(core, args))
+                     threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype)
+    dtype = str(core.runner.engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    return {"dtype": dtype, **asyncio.run(_measure(core, args))}
 
 
 def _run_worker(kind: str, block_size: int, args) -> dict:
@@ -138,7 +140,7 @@ def _run_worker(kind: str, block_size: int, args) -> dict:
     cmd = [sys.executable, "-m", "loadtest.bench_pruning", "--worker", kind, "--block-size", str(block_size),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
            "--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model,
-           "--selection", args.selection, "--contexts", *map(str, args.contexts)]
+           "--selection", args.selection, "--dtype", args.dtype, "--contexts", *map(str, args.contexts)]
     if args.keep is not None:
         cmd += ["--keep", str(args.keep)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -151,8 +153,8 @@ def _render(result: dict) -> str:
     m = result["machine"]
     lines = [f"# KV pruning benchmark: plain vLLM vs entropic pruning ({result['date']})", "",
              f"Command: `{result['command']}`", "",
-             f"Machine: {cpu_text(m)}, {m['cores']} cores, "
-             f"{m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, vllm {m['vllm']}; float32.", "",
+             f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; "
+             f"torch {m['torch']}, vllm {m['vllm']}; {result.get('dtype', 'float32')}.", "",
              f"Batch {result['batch']}, {result['new_tokens']} new tokens, median of {result['reps']} repetitions "
              f"x {result.get('rounds', 1)} alternating plain/pruned process pairs, pruning setting: {result['setting']}. "
              "Bound: the ratio if attention cost nothing (plain rate at the shortest context / plain rate here).", "",
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=4)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32", help="the engine's dtype (auto: as `make serve` picks it)")
     parser.add_argument("--out", default="docs/results/pruning")
     args = parser.parse_args(argv)
     if args.worker:
@@ -192,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.machine import publish
 
     rows = []
+    dtypes: set[str] = set()
     for block_size in args.block_sizes:
         # plain and pruned processes alternate, so drift of this shared machine hits both alike
-        rounds = [(_run_worker("plain", block_size, args)["results"], _run_worker("pruned", block_size, args)["results"])
-                  for _ in range(args.rounds)]
+        runs = [(_run_worker("plain", block_size, args), _run_worker("pruned", block_size, args))
+                for _ in range(args.rounds)]
+        dtypes.update(run["dtype"] for pair in runs for run in pair)
+        rounds = [(plain["results"], pruned["results"]) for plain, pruned in runs]
         short_plain = None
         for i, context in enumerate(args.contexts):
             a_rates = [r for plain, _ in rounds for r in plain[i]["rates"]]
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     setting += f", {args.selection} block selection"
     publish("loadtest.bench_pruning", argv, args.out,
             {"batch": args.batch, "new_tokens": args.new_tokens, "reps": args.reps, "rounds": args.rounds,
-             "setting": setting, "rows": rows},
+             "setting": setting, "dtype": "/".join(sorted(dtypes)), "rows": rows},
             _render)
     return 0
 
