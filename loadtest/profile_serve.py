@@ -129,7 +129,8 @@ class Sampler:
 
 
 def gil_waits(pid: int, tid: int, seconds: int) -> dict | None:
-    """Share of the model thread's native samples spent waiting to take the GIL (py-spy, if present)."""
+    """The model thread's native samples (py-spy, if present): the share spent waiting to take the GIL, and
+    the Python functions it spent its time in (``functions``)."""
     pyspy = shutil.which("py-spy")
     if pyspy is None:
         return None
@@ -138,15 +139,36 @@ def gil_waits(pid: int, tid: int, seconds: int) -> dict | None:
                                "-d", str(seconds), "-f", "raw", "-o", out.name], capture_output=True, text=True)
         if done.returncode != 0:
             return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "py-spy failed"}
-        total = waiting = 0
-        for line in Path(out.name).read_text().splitlines():
-            stack, count = line.rsplit(" ", 1)
-            if f"({tid})" not in stack.split(";", 1)[0]:  # py-spy's thread frame: "thread (<native id>): <name>"
-                continue
-            total += int(count)
-            if "take_gil" in stack or "gil_scoped_acquire" in stack or "PyEval_RestoreThread" in stack:
-                waiting += int(count)
-    return {"samples": total, "gil_wait_share": round(waiting / total, 3) if total else None}
+        return stack_summary(Path(out.name).read_text(), tid)
+
+
+def stack_summary(raw: str, tid: int, top: int = 15) -> dict:
+    """From py-spy's raw output (``frame;frame;... count`` per line): the thread ``tid``'s samples, the share
+    waiting for the GIL, and the ``top`` Python functions by inclusive share that are not on every sample
+    (the thread's own loop is), as ``function (dir/file.py)``."""
+    total = waiting = 0
+    inclusive: dict[str, int] = {}
+    for line in raw.splitlines():
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        if f"({tid})" not in frames[0]:  # py-spy's thread frame: "thread (<native id>): <name>"
+            continue
+        n = int(count)
+        total += n
+        if "take_gil" in stack or "gil_scoped_acquire" in stack or "PyEval_RestoreThread" in stack:
+            waiting += n
+        seen = set()
+        for frame in frames[1:]:
+            name, _, where = frame.partition(" (")
+            if ".py:" not in where:
+                continue  # a native frame
+            file = "/".join(where.rsplit(":", 1)[0].split("/")[-2:])
+            seen.add(f"{name} ({file})")
+        for key in seen:
+            inclusive[key] = inclusive.get(key, 0) + n
+    ranked = sorted(((k, v / total) for k, v in inclusive.items() if v < 0.98 * total), key=lambda kv: -kv[1])
+    return {"samples": total, "gil_wait_share": round(waiting / total, 3) if total else None,
+            "functions": [[k, round(v, 3)] for k, v in ranked[:top]]}
 
 
 def render(result: dict) -> str:
@@ -171,6 +193,12 @@ def render(result: dict) -> str:
         shares = [c["model_thread_core_share"] for c in result["cells"] if c["server"] == server]
         if shares:
             lines.append(f"\n{server}: model thread median {st.median(shares):.2f} of a core over {len(shares)} rounds.")
+    for c in result["cells"]:
+        functions = (c.get("gil") or {}).get("functions")
+        if functions:
+            lines += ["", f"Python functions of the model thread, {c['server']}, round {c['round']} (share of its "
+                      "py-spy samples in which the function is on the stack):", ""]
+            lines += [f"- {share:.3f} `{name}`" for name, share in functions]
     return "\n".join(lines) + "\n"
 
 

@@ -31,3 +31,19 @@ def test_a_model_thread_that_never_worked_is_an_error():
     sampler.samples += [(float(t), {100: ("VLLM::Worker", 0)}, (200 * t, 200 * t, 0)) for t in range(3)]
     with pytest.raises(RuntimeError, match="never used half a core"):
         sampler.summary("vllm")
+
+
+def test_stacks_give_the_gil_wait_and_the_python_functions_of_the_model_thread_only():
+    from loadtest.profile_serve import stack_summary
+
+    loop = "thread (0x1 (100)): vllm-engine;_loop (workers/engine.py:330)"
+    raw = "\n".join([
+        f"{loop};step (vllm/v1/engine/core.py:10);forward (models/llama.py:5);gemm (libtorch_cpu.so) 6",
+        f"{loop};step (vllm/v1/engine/core.py:10);apply (workers/sampling.py:166);exp (libtorch_cpu.so) 3",
+        f"{loop};take_gil (libpython3.11.so) 1",
+        "thread (0x2 (101)): other;run (threading.py:1) 50",  # another thread: not counted
+    ])
+    summary = stack_summary(raw, 100)
+    assert summary["samples"] == 10 and summary["gil_wait_share"] == 0.1
+    assert summary["functions"] == [["step (engine/core.py)", 0.9], ["forward (models/llama.py)", 0.6],
+                                    ["apply (workers/sampling.py)", 0.3]]
