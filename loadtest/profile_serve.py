@@ -142,7 +142,7 @@ def gil_waits(pid: int, tid: int, seconds: int) -> dict | None:
         return stack_summary(Path(out.name).read_text(), tid)
 
 
-def stack_summary(raw: str, tid: int, top: int = 15) -> dict:
+def stack_summary(raw: str, tid: int, top: int = 40) -> dict:
     """From py-spy's raw output (``frame;frame;... count`` per line): the thread ``tid``'s samples, the share
     waiting for the GIL, and the ``top`` Python functions by inclusive share that are not on every sample
     (the thread's own loop is), as ``function (dir/file.py)``."""
