@@ -19,6 +19,9 @@ Every touch of a vLLM internal, and where it is:
   ``resolve_chat_template_kwargs``.
 - ``workers/engine.py``, ``deployments/logprobs.py``: ``RequestOutput`` logprobs (per position, token id ->
   ``Logprob``, the position's own token first) and ``EngineArgs.logprobs_mode``.
+- ``workers/engine.py``: ``processed_logprobs_only_when_asked`` wraps the model runner's ``Sampler.sample`` and
+  sets its ``topk_topp_sampler.logprobs_mode`` per step from ``SamplingMetadata.max_num_logprobs`` and
+  ``logprob_token_ids`` (behaviour: ``tests/test_sampler_logprobs.py``).
 """
 import inspect
 
@@ -289,3 +292,15 @@ def test_engine_env_keeps_a_users_overrides(monkeypatch):
     assert env["VLLM_USE_AOT_COMPILE"] == "1"  # the user's choice
     assert env["OMP_NUM_THREADS"] == "2"  # ours: the replica's thread count is the config's
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_the_sampler_calls_its_top_k_top_p_stage_with_the_mode_it_holds():
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    assert list(inspect.signature(Sampler.sample).parameters) == [
+        "self", "logits", "sampling_metadata", "logprobs_mode_override"]
+    assert "self.topk_topp_sampler(" in inspect.getsource(Sampler.sample)
+    assert "self.logprobs_mode" in inspect.getsource(TopKTopPSampler.forward_cpu)
+    assert {"max_num_logprobs", "logprob_token_ids"} <= set(SamplingMetadata.__dataclass_fields__)

@@ -137,6 +137,7 @@ class EngineRunner:
             processors.insert(given.index(EntropicLogitsProcessor) if EntropicLogitsProcessor in given else 0,
                               EntropicLogitsProcessor)
         self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
+        processed_logprobs_only_when_asked(model_runner(self.engine).sampler)
         self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor) if telemetry else None
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
@@ -461,10 +462,37 @@ def _client_error(exc: BaseException) -> InvalidRequest:
     return InvalidRequest(message, getattr(exc, "parameter", None))
 
 
+def model_runner(engine: Any) -> Any:
+    """The in-process engine's model runner (vllm 0.32.0 object layout)."""
+    return engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def find_logits_processor(engine: Any, cls: type) -> Any:
-    """The engine's instance of our logits processor (vllm 0.32.0 object layout)."""
-    runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    """The engine's instance of our logits processor."""
+    runner = model_runner(engine)
     found = [p for p in runner.input_batch.logitsprocs.all if isinstance(p, cls)]
     if len(found) != 1:
         raise RuntimeError(f"expected one {cls.__name__} in the engine, found {len(found)}")
     return found[0]
+
+
+def processed_logprobs_only_when_asked(sampler: Any) -> None:
+    """Have vLLM's sampler compute processed logprobs only in steps whose batch asked for logprobs.
+
+    With ``logprobs_mode`` processed_logprobs (our default, workers/config.py), vLLM's top-k/top-p stage
+    of random sampling computes a [rows, vocab] log-softmax in every step, whether or not a request asked
+    (its greedy path checks first; vllm 0.32.0): a pass over the logits plus an allocation per step that
+    `vllm serve`, in its default raw_logprobs mode, never pays. The same check as the greedy path's, made
+    per step on the instance: the same tokens and the same logprobs."""
+    inner = sampler.topk_topp_sampler
+    mode = inner.logprobs_mode
+    if mode not in ("processed_logprobs", "processed_logits"):
+        return  # raw modes compute logprobs only when asked already
+    sample = sampler.sample
+
+    def sample_asking_only_when_asked(logits: Any, sampling_metadata: Any, logprobs_mode_override: Any = None) -> Any:
+        asked = sampling_metadata.max_num_logprobs is not None or bool(sampling_metadata.logprob_token_ids)
+        inner.logprobs_mode = mode if asked else "raw_logprobs"  # raw: the top-k/top-p stage returns none
+        return sample(logits, sampling_metadata, logprobs_mode_override)
+
+    sampler.sample = sample_asking_only_when_asked
