@@ -123,6 +123,19 @@ def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: in
     return ReplicaCore(config, replica_id=kind, metrics_registry=CollectorRegistry())
 
 
+def add_core_arguments(parser: argparse.ArgumentParser, dtype: str) -> None:
+    """The replica core's settings (``make_core``'s) that a tool's command line takes and hands its workers."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-gib", type=int, default=4)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default=dtype, help="the engine's dtype (auto: as `make serve` picks it)")
+
+
+def core_argv(args: argparse.Namespace) -> list[str]:
+    """``add_core_arguments``' values, as a worker's command line takes them."""
+    return ["--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model, "--dtype", args.dtype]
+
+
 def plain_env() -> dict[str, str]:
     """The environment of a ``plain`` process: no general plugin of ours, so vLLM's own CPU attention."""
     return {**os.environ, "VLLM_PLUGINS": "none-of-ours"}
@@ -139,8 +152,7 @@ def _run_worker(kind: str, block_size: int, args) -> dict:
     env = plain_env() if kind == "plain" else dict(os.environ)
     cmd = [sys.executable, "-m", "loadtest.bench_pruning", "--worker", kind, "--block-size", str(block_size),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
-           "--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model,
-           "--selection", args.selection, "--dtype", args.dtype, "--contexts", *map(str, args.contexts)]
+           *core_argv(args), "--selection", args.selection, "--contexts", *map(str, args.contexts)]
     if args.keep is not None:
         cmd += ["--keep", str(args.keep)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -182,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=float, default=None, help="fixed keep fraction; default: the deployment law")
     parser.add_argument("--selection", choices=["fused", "torch"], default="fused",
                         help="block selection: the fused C op (serving default) or the torch path")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-gib", type=int, default=4)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="float32", help="the engine's dtype (auto: as `make serve` picks it)")
+    add_core_arguments(parser, dtype="float32")  # as its published runs
     parser.add_argument("--out", default="docs/results/pruning")
     args = parser.parse_args(argv)
     if args.worker:

@@ -37,7 +37,15 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from loadtest.bench_pruning import filler_prompts, keep_overrides, make_core, plain_env, run_batch
+from loadtest.bench_pruning import (
+    add_core_arguments,
+    core_argv,
+    filler_prompts,
+    keep_overrides,
+    make_core,
+    plain_env,
+    run_batch,
+)
 
 PARTS = ("attention", "selection", "summaries", "layer wrapper", "plan", "logits processor")
 
@@ -140,8 +148,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 def _run_worker(kind: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "loadtest.profile_pruning", "--worker", kind, "--block-size", str(args.block_size),
-           "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--kv-gib", str(args.kv_gib),
-           "--model", args.model, "--dtype", args.dtype, "--keep", str(args.keep),
+           "--new-tokens", str(args.new_tokens), *core_argv(args), "--keep", str(args.keep),
            "--contexts", *map(str, args.contexts), "--batches", *map(str, args.batches)]
     out = subprocess.run(cmd, env=plain_env() if kind == "plain" else None, capture_output=True, text=True)
     if out.returncode != 0:
@@ -210,10 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--keep", type=float, default=0.25, help="kept fraction, fixed from the first decode step")
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--dtype", default="auto", help="the engine's dtype; auto: as `make serve` picks it")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-gib", type=int, default=4)
-    parser.add_argument("--model", default="default")
+    add_core_arguments(parser, dtype="auto")
     parser.add_argument("--out", default="docs/results/pruning-profile")
     args = parser.parse_args(argv)
     if args.worker:
