@@ -96,9 +96,10 @@ def per_step(before: dict[str, float], short: dict[str, float], long: dict[str, 
     parts = set(short) | set(long)
     out = {p: ((long.get(p, 0.0) - short.get(p, 0.0)) - (short.get(p, 0.0) - before.get(p, 0.0))) / steps
            for p in parts}
-    if "layer total" in out:
-        out["selection"] = out.pop("selection total") - out.get("summaries", 0.0)
-        out["layer wrapper"] = out.pop("layer total") - out["attention"] - out["selection"] - out.get("summaries", 0.0)
+    if "layer total" in out:  # the pruned arm; a context too short to prune never selected
+        out["selection"] = out.pop("selection total", 0.0) - out.get("summaries", 0.0)
+        out["layer wrapper"] = (out.pop("layer total") - out.get("attention", 0.0) - out["selection"]
+                                - out.get("summaries", 0.0))
     return out
 
 

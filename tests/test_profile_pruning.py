@@ -46,3 +46,11 @@ def test_timers_wrap_a_class_function_once_and_keep_its_result():
     timers.wrap(Child, "f", "child")
     assert Child().f(1) == 4
     assert set(timers.seconds) == {"base", "child"} and timers.seconds["child"] >= timers.seconds["base"] > 0
+
+
+def test_a_context_too_short_to_prune_has_no_selection_and_no_wrapper_cost():
+    before = {"attention": 1.0, "layer total": 1.1}
+    short = {"attention": 1.1, "layer total": 1.2}
+    long = {"attention": 1.1 + 0.1 + 0.5, "layer total": 1.2 + 0.1 + 0.5}  # 10 steps of 50 ms, all in vLLM's forward
+    step = per_step(before, short, long, steps=10)
+    assert step["selection"] == 0.0 and step["layer wrapper"] == pytest.approx(0.0, abs=1e-12)
