@@ -136,6 +136,11 @@ def core_argv(args: argparse.Namespace) -> list[str]:
     return ["--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model, "--dtype", args.dtype]
 
 
+def core_dtype(core) -> str:
+    """The dtype the core's engine resolved (``auto`` becomes bf16 or float32 by the CPU's flags)."""
+    return str(core.runner.engine.vllm_config.model_config.dtype).removeprefix("torch.")
+
+
 def plain_env() -> dict[str, str]:
     """The environment of a ``plain`` process: no general plugin of ours, so vLLM's own CPU attention."""
     return {**os.environ, "VLLM_PLUGINS": "none-of-ours"}
@@ -144,8 +149,7 @@ def plain_env() -> dict[str, str]:
 def worker(args) -> dict:
     core = make_core(args.worker, model=args.model, batch=args.batch, block_size=args.block_size,
                      threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype)
-    dtype = str(core.runner.engine.vllm_config.model_config.dtype).removeprefix("torch.")
-    return {"dtype": dtype, **asyncio.run(_measure(core, args))}
+    return {"dtype": core_dtype(core), **asyncio.run(_measure(core, args))}
 
 
 def _run_worker(kind: str, block_size: int, args) -> dict:

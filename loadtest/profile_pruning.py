@@ -40,6 +40,7 @@ from typing import Any
 from loadtest.bench_pruning import (
     add_core_arguments,
     core_argv,
+    core_dtype,
     filler_prompts,
     keep_overrides,
     make_core,
@@ -51,7 +52,7 @@ PARTS = ("attention", "selection", "summaries", "layer wrapper", "plan", "logits
 
 
 class Timers:
-    """Seconds and calls per part, accumulated by wrappers installed on the engine's classes."""
+    """Seconds per part, accumulated by wrappers installed on the engine's classes."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -143,8 +144,7 @@ def worker(args: argparse.Namespace) -> dict:
                      threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype)
     timers = Timers()
     install(timers, pruned)
-    dtype = str(core.runner.engine.vllm_config.model_config.dtype).removeprefix("torch.")
-    return {"dtype": dtype, "rows": asyncio.run(_measure(core, args, timers))}
+    return {"dtype": core_dtype(core), "rows": asyncio.run(_measure(core, args, timers))}
 
 
 def _run_worker(kind: str, args: argparse.Namespace) -> dict:
