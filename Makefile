@@ -24,8 +24,8 @@ $(STAMP):
 	@# Editable install of this package: it publishes the vllm.general_plugins entry point
 	@# (workers.vllm_plugin) that puts the pruned attention backend in every engine process.
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	@# The fused CPU block selection (kernels/csrc), built here rather than on the first pruned step.
-	$(PY) -m kernels.cpu_select
+	@# Our C kernels (kernels/csrc: block selection, row entropy), built here rather than on first use.
+	$(PY) -m kernels.cbuild
 	$(PY) -c "import vllm, ray, transformers, triton; print('installed vllm', vllm.__version__, 'ray', ray.__version__)"
 	rm -f $(VENV)/.installed-* && touch $@
 

@@ -23,7 +23,7 @@ def describe() -> dict[str, str | int]:
 
     from kernels.hardware import cpu_flags, resolve_dtype
 
-    # The flags that choose the engine's dtype and our kernels (kernels.hardware, kernels.cpu_select).
+    # The flags that choose the engine's dtype and our kernels (kernels.hardware, kernels.cbuild).
     isa = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"})
     dtype = resolve_dtype("auto", False)
     return {"cpu": cpu, "cpu_flags": " ".join(isa) or "none",

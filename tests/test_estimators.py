@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import cpu_entropy
 from kernels.entropy import Estimator, estimate, exact_entropy, exact_entropy_and_log_norm, topk_entropies
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +31,31 @@ def test_the_log_normalizer_of_the_entropy_pass_is_logsumexp_masked_tokens_too(t
     entropy, log_norm = exact_entropy_and_log_norm(z)
     assert torch.allclose(log_norm.double(), torch.logsumexp(z.double(), -1), atol=1e-4, rtol=1e-6)
     assert torch.equal(entropy, exact_entropy(z))
+
+
+@pytest.mark.parametrize("scale", [1 / 0.3, 1.0, 1 / 3.0])
+def test_the_c_kernel_gives_the_references_entropy_and_normalizer_masked_tokens_and_strided_rows_too(real_logits,
+                                                                                                       scale):
+    assert cpu_entropy.load() is not None, "the C kernel must build where the tests run (a C compiler is needed)"
+    wide = torch.full((real_logits.shape[0], real_logits.shape[1] + 37), 99.0)  # rows of a wider buffer
+    wide[:, :-37] = real_logits
+    wide[1, 1000:40000] = float("-inf")
+    z = wide[:, :-37]
+    assert not z.is_contiguous()
+    entropy, log_norm = cpu_entropy.exact_entropy_and_log_norm(z, torch.full((z.shape[0],), scale))
+    p = torch.softmax(z.double() * scale, -1)
+    reference = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+    assert torch.allclose(entropy.double(), reference, atol=2e-4, rtol=1e-5)
+    assert torch.allclose(log_norm.double(), torch.logsumexp(z.double() * scale, -1), atol=1e-4, rtol=1e-6)
+
+
+def test_the_c_kernel_declines_what_it_does_not_read(real_logits):
+    ones = torch.ones(real_logits.shape[0])
+    assert cpu_entropy.exact_entropy_and_log_norm(real_logits.double(), ones) is None
+    assert cpu_entropy.exact_entropy_and_log_norm(real_logits.t(), torch.ones(real_logits.shape[1])) is None
+    assert cpu_entropy.exact_entropy_and_log_norm(real_logits, -ones) is None  # the kernel refuses, no answer
+    entropy, _ = cpu_entropy.exact_entropy_and_log_norm(torch.full((1, 50), float("-inf")), torch.ones(1))
+    assert torch.isnan(entropy).all()  # every token masked: no distribution, as in the torch path
 
 
 @pytest.mark.parametrize("k", [1, 8, 64, 512])

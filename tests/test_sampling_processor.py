@@ -138,3 +138,38 @@ def test_stop_mass_is_the_probability_of_the_requests_stop_tokens_in_the_recorde
     assert lp.stop_prob("s") == pytest.approx(float(expected), rel=1e-5)
     assert lp.stop_prob("n") is None  # no stop token: nothing to read
     assert lp.stop_prob("unknown") is None
+
+
+def test_the_c_entropy_path_and_the_torch_path_record_and_divide_alike(monkeypatch):
+    """A batch with control, tempered-but-observed, greedy and foreign rows (and stop tokens), once through the
+    C kernel (kernels.cpu_entropy, the CPU default) and once with it declined."""
+    import kernels.cpu_entropy
+
+    def batch(lp):
+        stopping = SamplingParams(temperature=0.7, stop_token_ids=[3], extra_args=SamplingControl(
+            enabled=False).request_args("observed", 0.7).into(None))
+        stopping.update_from_generation_config({}, eos_token_id=11)
+        lp.update_state(update(added=[(0, params("control", 1.0, t_cal=1.3), None, []), (1, stopping, None, []),
+                                      (3, params("greedy", 0.0), None, [])]))  # row 2 is not ours
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB) * 3
+    kernel, answered = kernels.cpu_entropy.exact_entropy_and_log_norm, []
+    monkeypatch.setattr(kernels.cpu_entropy, "exact_entropy_and_log_norm",
+                        lambda *a: answered.append(kernel(*a)) or answered[-1])
+    runs = []
+    for declined in (False, True):
+        if declined:
+            assert answered and answered[-1] is not None  # the first run took the C path
+            monkeypatch.setattr(kernels.cpu_entropy, "exact_entropy_and_log_norm", lambda *a: None)
+        lp = EntropicLogitsProcessor(None, torch.device("cpu"), False)
+        batch(lp)
+        out = lp.apply(logits.clone())
+        runs.append((out, {k: lp.records(k) for k in ("control", "observed", "greedy")}, lp.stop_prob("observed")))
+    (c_out, c_records, c_stop), (t_out, t_records, t_stop) = runs
+    assert torch.allclose(c_out, t_out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(c_out[1:], logits[1:])  # only the control row is divided
+    for key, records in c_records.items():
+        assert [t for _, t in records] == [t for _, t in t_records[key]]
+        assert [h for h, _ in records] == pytest.approx([h for h, _ in t_records[key]], abs=1e-5)
+    assert c_stop == pytest.approx(t_stop, rel=1e-5) and c_stop is not None

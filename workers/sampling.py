@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from controller.laws.temperature import TemperatureLaw, next_temperature, smoothed_entropy
+from kernels import cpu_entropy
 from kernels.entropy import Estimator, estimate, exact_entropy_and_log_norm
 from workers.control_params import EXTRA_ARGS_KEY, EntropicArgs
 
@@ -173,35 +175,18 @@ class EntropicLogitsProcessor(LogitsProcessor):
         states = [self._rows[i] for i in rows]
         for state in states:
             state.begin_position()
-        divisors = torch.tensor([s.divisor for s in states], dtype=logits.dtype).to(logits.device).unsqueeze(1)
-        every_row = len(rows) == n  # rows are sorted and distinct, so they are 0..n-1
-        if every_row and all(s.control for s in states):
-            scaled = logits.div_(divisors)  # the common case: one in-place pass, no copies
-        else:
-            index = None if every_row else torch.tensor(rows, device=logits.device)
-            scaled = (logits if index is None else logits.index_select(0, index)) / divisors
-            control = [j for j, s in enumerate(states) if s.control]
-            if control:
-                sel = torch.tensor(control, device=logits.device)
-                target = sel if index is None else index.index_select(0, sel)
-                logits.index_copy_(0, target, scaled.index_select(0, sel))
-
         started = time.perf_counter()
-        groups = _group_by_estimator(states)
-        log_norm = None
-        if len(groups) == 1:
-            (est, k), = groups
-            if est is Estimator.EXACT and not scaled.is_cuda:
-                entropy, log_norm = exact_entropy_and_log_norm(scaled)
-            else:
-                entropy = estimate(scaled, est, k)
+        measured = self._exact_on_cpu(logits, rows, states)
+        if measured is not None:
+            entropy, log_norm = measured
+            self._record_stop_mass(logits, rows, [1.0 / s.divisor for s in states], states, log_norm)
+            self._divide_control_rows(logits, rows, states, keep_scaled=False)  # after reading them undivided
         else:
-            entropy = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
-            for (est, k), members in groups.items():
-                sel = torch.tensor(members, device=logits.device)
-                entropy.index_copy_(0, sel, estimate(scaled.index_select(0, sel), est, k))
+            scaled = self._divide_control_rows(logits, rows, states, keep_scaled=True)
+            assert scaled is not None
+            entropy, log_norm = self._estimate(scaled, states)
+            self._record_stop_mass(scaled, range(len(states)), [1.0] * len(states), states, log_norm)
         values = entropy.tolist()
-        self._record_stop_mass(scaled, states, log_norm)
         self.estimator_seconds += time.perf_counter() - started
 
         for state, h in zip(states, values):
@@ -209,21 +194,89 @@ class EntropicLogitsProcessor(LogitsProcessor):
         return logits
 
     @staticmethod
-    def _record_stop_mass(scaled: torch.Tensor, states: list[_RequestState], log_norm: torch.Tensor | None) -> None:
-        """p(stop token) per row of ``scaled`` [rows, vocab] (the distribution whose entropy is recorded):
-        a feature of the controller's remaining-work predictor. ``log_norm`` [rows]: each row's log-sum-exp,
-        when the entropy pass computed it."""
-        vocab = scaled.shape[1]
-        row_of = [j for j, s in enumerate(states) for t in s.stop_ids if t < vocab]
-        if not row_of:
+    def _exact_on_cpu(logits: torch.Tensor, rows: list[int], states: list[_RequestState]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(H, log-normalizer) [len(rows)] of each row's calibrated, tempered distribution from one C call
+        over the undivided logits (kernels.cpu_entropy), when every row asks for the exact entropy on a CPU;
+        None otherwise, or where the kernel is unavailable."""
+        if logits.is_cuda or any(s.estimator is not Estimator.EXACT for s in states):
+            return None
+        scale = torch.ones(logits.shape[0], dtype=torch.float32)  # rows not ours are measured and ignored
+        scale[rows] = torch.tensor([1.0 / s.divisor for s in states], dtype=torch.float32)
+        measured = cpu_entropy.exact_entropy_and_log_norm(logits, scale)
+        if measured is None:
+            return None
+        entropy, log_norm = measured
+        if len(rows) == logits.shape[0]:
+            return entropy, log_norm
+        index = torch.tensor(rows)
+        return entropy.index_select(0, index), log_norm.index_select(0, index)
+
+    @staticmethod
+    def _divide_control_rows(logits: torch.Tensor, rows: list[int], states: list[_RequestState],
+                             keep_scaled: bool) -> torch.Tensor | None:
+        """Divide the control rows of ``logits`` in place by their divisors (vLLM samples from them).
+        With ``keep_scaled``, returns every row of ``rows`` divided [len(rows), vocab] (the torch
+        estimators' input), else None."""
+        n = logits.shape[0]
+        every_row = len(rows) == n  # rows are sorted and distinct, so they are 0..n-1
+        control = [j for j, s in enumerate(states) if s.control]
+        if not keep_scaled and not control:
+            return None
+        divisors = torch.tensor([s.divisor for s in states], dtype=logits.dtype).to(logits.device).unsqueeze(1)
+        if every_row and len(control) == len(states):
+            return logits.div_(divisors)  # the common case: one in-place pass, no copies
+        if not keep_scaled:
+            sel = torch.tensor(control, device=logits.device)
+            target = torch.tensor([rows[j] for j in control], device=logits.device)
+            logits.index_copy_(0, target, logits.index_select(0, target) / divisors.index_select(0, sel))
+            return None
+        index = None if every_row else torch.tensor(rows, device=logits.device)
+        scaled = (logits if index is None else logits.index_select(0, index)) / divisors
+        if control:
+            sel = torch.tensor(control, device=logits.device)
+            target = sel if index is None else index.index_select(0, sel)
+            logits.index_copy_(0, target, scaled.index_select(0, sel))
+        return scaled
+
+    @staticmethod
+    def _estimate(scaled: torch.Tensor, states: list[_RequestState]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's entropy by its estimator (torch or Triton), and the log-normalizers where the exact
+        estimator computed them."""
+        groups = _group_by_estimator(states)
+        if len(groups) == 1:
+            (est, k), = groups
+            if est is Estimator.EXACT and not scaled.is_cuda:
+                return exact_entropy_and_log_norm(scaled)
+            return estimate(scaled, est, k), None
+        entropy = torch.empty(len(states), dtype=torch.float32, device=scaled.device)
+        for (est, k), members in groups.items():
+            sel = torch.tensor(members, device=scaled.device)
+            entropy.index_copy_(0, sel, estimate(scaled.index_select(0, sel), est, k))
+        return entropy, None
+
+    @staticmethod
+    def _record_stop_mass(logits: torch.Tensor, row_of_state: Sequence[int], scale: list[float],
+                          states: list[_RequestState], log_norm: torch.Tensor | None) -> None:
+        """p(stop token) of each state's distribution, ``softmax(logits[row_of_state[j]] * scale[j])``: a
+        feature of the controller's remaining-work predictor. ``log_norm`` [len(states)]: each
+        distribution's log-sum-exp, when the entropy pass computed it."""
+        vocab = logits.shape[1]
+        pairs = [(j, t) for j, s in enumerate(states) for t in s.stop_ids if t < vocab]
+        if not pairs:
             return
-        ids = [t for s in states for t in s.stop_ids if t < vocab]
-        rows = torch.tensor(row_of, device=scaled.device)
+        device = logits.device
+        state_of = torch.tensor([j for j, _ in pairs], device=device)
+        rows = torch.tensor([row_of_state[j] for j, _ in pairs], device=device)
+        factor = torch.tensor([scale[j] for j, _ in pairs], device=device)
         if log_norm is None:
-            log_norm = torch.logsumexp(scaled.float(), dim=-1)  # [rows]
-        picked = (scaled[rows, torch.tensor(ids, device=scaled.device)].float() - log_norm[rows]).exp()
-        mass = torch.zeros(len(states), device=scaled.device).index_add_(0, rows, picked).tolist()
-        for j in set(row_of):
+            members = torch.tensor(list(row_of_state), device=device)
+            factors = torch.tensor(scale, device=device).unsqueeze(1)
+            log_norm = torch.logsumexp(logits.index_select(0, members).float() * factors, dim=-1)  # [states]
+        picked = (logits[rows, torch.tensor([t for _, t in pairs], device=device)].float() * factor
+                  - log_norm.to(device)[state_of]).exp()
+        mass = torch.zeros(len(states), device=device).index_add_(0, state_of, picked).tolist()
+        for j in {j for j, _ in pairs}:
             states[j].stop_prob = mass[j]
 
 

@@ -9,9 +9,9 @@
  * per layer for the same thing; this is one pass over the summaries with no allocation.
  *
  * Plain C with no torch headers so it builds in about a second with the system compiler
- * (kernels/cpu_select.py builds it on first use or at install); single-threaded, because the
+ * (kernels/cbuild.py builds it on first use or at install); single-threaded, because the
  * engine's OpenMP pool owns the cores and a second runtime would fight it for them. The dot products
- * use AVX2/FMA when the build machine has them (kernels/cpu_select.py picks the flags), else scalar C.
+ * use AVX2/FMA when the build machine has them (kernels/cbuild.py picks the flags), else scalar C.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,0 +1,78 @@
+"""Our plain-C CPU kernels (kernels/csrc), built with the system C compiler and loaded through ctypes.
+
+Each shared library is compiled once per source version and machine flags into the user cache
+(``make install`` builds them ahead of time; otherwise the first call does, in about a second). Where
+no compiler is available ``load`` answers None, logged once per library, and the callers use their
+torch paths, which compute the same results.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from kernels.hardware import cache_root, cpu_flags
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _compile_flags() -> list[str]:
+    flags = ["-O3", "-shared", "-fPIC", "-std=c11"]
+    if {"avx2", "fma"} <= cpu_flags():  # built where it runs (make install / first use), so the host's ISA is safe
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def library_path(name: str) -> Path:
+    flags = _compile_flags()
+    digest = hashlib.sha256((CSRC / f"{name}.c").read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{name}-{digest}.so"
+
+
+def build(name: str) -> Path:
+    """kernels/csrc/<name>.c as a shared library in the cache (built if missing); older builds removed."""
+    path = library_path(name)
+    if path.exists():
+        return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) found")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        subprocess.run([compiler, *_compile_flags(), str(CSRC / f"{name}.c"), "-o", str(out), "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(out, path)  # atomic: concurrent builders (several workers) cannot see half a file
+    for stale in path.parent.glob(f"{name}-*.so"):
+        if stale != path:
+            stale.unlink(missing_ok=True)
+    return path
+
+
+def load(name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """The library of kernels/csrc/<name>.c with its functions' signatures set by ``declare``, or None
+    (logged once) when it cannot be built here."""
+    if name not in _loaded:
+        try:
+            lib = ctypes.CDLL(str(build(name)))
+            declare(lib)
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            logger.warning("C kernel %s unavailable, using the torch path: %s", name, detail)
+            lib = None
+        _loaded[name] = lib
+    return _loaded[name]
+
+
+if __name__ == "__main__":  # make install builds them ahead of the first call
+    for source in sorted(CSRC.glob("*.c")):
+        print(build(source.stem))
