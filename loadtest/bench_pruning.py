@@ -141,6 +141,11 @@ def core_dtype(core) -> str:
     return str(core.runner.engine.vllm_config.model_config.dtype).removeprefix("torch.")
 
 
+def arm_order(round_index: int) -> tuple[str, str]:
+    """The order of the two arms' processes in a round: plain first in even rounds, pruned first in odd ones."""
+    return ("plain", "pruned") if round_index % 2 == 0 else ("pruned", "plain")
+
+
 def plain_env() -> dict[str, str]:
     """The environment of a ``plain`` process: no general plugin of ours, so vLLM's own CPU attention."""
     return {**os.environ, "VLLM_PLUGINS": "none-of-ours"}
@@ -210,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     dtypes: set[str] = set()
     for block_size in args.block_sizes:
-        # plain and pruned processes alternate, so drift of this shared machine hits both alike
-        runs = [(_run_worker("plain", block_size, args), _run_worker("pruned", block_size, args))
-                for _ in range(args.rounds)]
+        runs = []
+        for r in range(args.rounds):
+            # plain and pruned processes alternate, and which goes first alternates too: on this shared machine
+            # the second process of a pair ran slower more often than not (docs/results/pruning-profile-short.md)
+            done = {kind: _run_worker(kind, block_size, args) for kind in arm_order(r)}
+            runs.append((done["plain"], done["pruned"]))
         dtypes.update(run["dtype"] for pair in runs for run in pair)
         rounds = [(plain["results"], pruned["results"]) for plain, pruned in runs]
         short_plain = None

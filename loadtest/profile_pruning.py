@@ -4,10 +4,10 @@
 
 The same replica cores and workload as ``make bench-pruning`` (``plain``: vLLM as shipped, our plugin not
 loaded; ``pruned``: the served configuration with pruning on, by default a kept fraction fixed at 0.25 from
-the first decode step), each in a process of its own, alternating over rounds. Per context length and batch
-the rows share one prompt prefix, warmed once; then a 1-token and an N-token batch run, and every figure
-is (what the N-token run took - what the 1-token run took) / (N - 1): one decode step, the prefill of each
-row's last line taken out.
+the first decode step), each in a process of its own, alternating over rounds, which goes first too. Per
+context length and batch the rows share one prompt prefix, warmed once; then a 1-token and an N-token batch
+run, and every figure is (what the N-token run took - what the 1-token run took) / (N - 1): one decode step,
+the prefill of each row's last line taken out.
 
 Wall-clock timers wrap the functions of the step that are ours or that pruning changes (a perf_counter pair
 per call, ~1 µs, against steps of tens of milliseconds):
@@ -39,6 +39,7 @@ from typing import Any
 
 from loadtest.bench_pruning import (
     add_core_arguments,
+    arm_order,
     core_argv,
     core_dtype,
     filler_prompts,
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rounds = []
     for r in range(args.rounds):
-        rounds.append({kind: _run_worker(kind, args) for kind in ("plain", "pruned")})
+        rounds.append({kind: _run_worker(kind, args) for kind in arm_order(r)})
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     publish("loadtest.profile_pruning", argv, args.out,
             {"dtype": rounds[0]["pruned"]["dtype"], "block_size": args.block_size, "new_tokens": args.new_tokens,
