@@ -1,0 +1,322 @@
+"""What entropy adds to KV pruning: block selectors at equal mean kept fraction, against dense (issue 14, item 1).
+
+    python -m loadtest.bench_selectors --contexts 2000 4000 7000 --budgets 0.1 0.25 0.5 --out docs/results/selectors
+
+Selectors, each at several budgets (``--budgets``: the entropy law's ``keep_min``):
+
+* ``entropy`` (ours, as served): the entropy-driven budget of ``controller.laws.pruning`` (keep fraction
+  between ``keep_min`` at low entropy and everything at high entropy, moving at most ``max_step`` a step)
+  with surprisal-weighted Quest scores (``info_weight`` 1);
+* ``fixed``: the same scores, a kept fraction fixed from the first decode step at what ``entropy`` kept on
+  the same prompts (matched per task and context length, so both read the same number of blocks);
+* ``quest``: the same fixed fraction with Quest's bound alone (``info_weight`` 0: no surprisal weighting);
+* ``dense``: no pruning, the reference every selector is compared with.
+
+Tasks, each at every context length (filler text or Python's own documentation as natural text), with
+``--cases`` prompts apiece (different keys and depths): ``passkey`` (one key at a depth), ``needles``
+(three labelled keys at 15/50/85% depth, one asked for), ``distractors`` (the key among five
+near-duplicate sentences with other numbers), ``two_part`` (a key split in two halves far apart, both
+needed) and ``natural`` (teacher forcing: each selector re-reads dense's greedy continuation of natural
+text, and its next-token distribution is compared with dense's: top-1 agreement and KL(dense || pruned)).
+
+One in-process vLLM engine (the pruned CPU backend from our plugin entry point, our entropy logits
+processor, the teacher-forcing instrument of ``loadtest.instruments``), greedy decoding, so each
+configuration's output is deterministic: the spread is over prompts, reported as 95% intervals (Wilson
+for accuracies, normal for mean KL). Every prompt is prefilled once before any configuration runs, so all
+of them decode from the same prefix-cache state. Outputs have a fixed length (the answer's span): this
+measures what pruning changes, not where a generation would end.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pydoc_data.topics
+import random
+import re
+import statistics as st
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from loadtest.bench_pruning import keep_overrides
+from loadtest.workload import FILLER, TOKENS_PER_FILLER, passkey_prompt
+
+SELECTORS = ("entropy", "fixed", "quest")
+TASKS = ("passkey", "needles", "distractors", "two_part", "natural")
+ORDINALS = ("first", "second", "third")
+
+
+@dataclass(frozen=True)
+class Case:
+    task: str
+    context: int  # target prompt length, tokens
+    prompt: str
+    answer: str | None  # None: teacher-forced (natural)
+    max_tokens: int
+
+
+def _with_inserts(context: int, inserts: list[tuple[float, str]], intro: str, question: str) -> str:
+    parts = [FILLER] * max(1, context // TOKENS_PER_FILLER)
+    for depth, sentence in sorted(inserts, reverse=True):  # deepest first, so earlier indices stay put
+        parts.insert(int(len(parts) * depth), sentence)
+    return intro + "".join(parts) + question
+
+
+def _natural_text(tokens: int, offset: int) -> str:
+    text = re.sub(r"\s+", " ", " ".join(pydoc_data.topics.topics.values()))
+    return text[offset: offset + int(tokens * 4.65)]  # ~4.65 characters per token of this text
+
+
+def make_cases(context: int, cases: int, seed: int) -> list[Case]:
+    rng = random.Random(seed * 1_000_003 + context)
+    out: list[Case] = []
+    for i in range(cases):
+        depth = (0.2, 0.5, 0.8)[i % 3]
+        key = rng.randrange(10_000, 99_999)
+        out.append(Case("passkey", context, passkey_prompt(context // TOKENS_PER_FILLER, depth, key), str(key), 8))
+
+        keys = [rng.randrange(10_000, 99_999) for _ in ORDINALS]
+        asked = i % 3
+        out.append(Case("needles", context, _with_inserts(
+            context, [(d, f"The {o} pass key is {k}. ") for d, o, k in zip((0.15, 0.5, 0.85), ORDINALS, keys)],
+            "There are three pass keys hidden in this text. Remember them.\n",
+            f"What is the {ORDINALS[asked]} pass key? The {ORDINALS[asked]} pass key is"), str(keys[asked]), 8))
+
+        key = rng.randrange(10_000, 99_999)
+        decoys = [rng.randrange(10_000, 99_999) for _ in range(5)]
+        near = ("The pass code is {}. ", "The spare key is {}. ", "The old pass key was {}. ",
+                "A pass key is not {}. ", "The past key is {}. ")
+        inserts = [(depth, f"The pass key is {key}. Remember it. ")]
+        inserts += [((j + 0.5) / 5, s.format(d)) for j, (s, d) in enumerate(zip(near, decoys))]
+        out.append(Case("distractors", context, _with_inserts(
+            context, inserts, "There is a pass key hidden in this text, among other numbers. Find it.\n",
+            "What is the pass key? The pass key is"), str(key), 8))
+
+        first, second = rng.randrange(100, 999), rng.randrange(100, 999)
+        out.append(Case("two_part", context, _with_inserts(
+            context, [(0.2, f"Part one of the pass key is {first}. "), (0.8, f"Part two of the pass key is {second}. ")],
+            "A pass key in two parts is hidden in this text. Find both parts.\n",
+            "The pass key is part one followed by part two. What is the pass key? The pass key is"),
+            f"{first}{second}", 12))
+
+        out.append(Case("natural", context, _natural_text(context, 150_000 * i + 7_919 * (context // 1000)), None, 32))
+    return out
+
+
+def correct(case: Case, text: str) -> bool:
+    assert case.answer is not None
+    return case.answer in re.sub(r"[\s,.-]", "", text)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    if not values:
+        return (math.nan, math.nan, math.nan)
+    m = st.fmean(values)
+    half = z * st.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    return (m, m - half, m + half)
+
+
+class Runner:
+    """The engine and the configurations' requests (vllm.LLM, as the pruning fidelity tests run it)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from workers.engine import configure_process_env
+
+        configure_process_env(args.threads, args.kv_gib)
+        from vllm import LLM
+
+        from loadtest.instruments import TeacherForcing
+        from workers.model_store import resolve_model
+        from workers.pruned_attention import PrunedCPUAttentionBackend
+        from workers.sampling import EntropicLogitsProcessor
+
+        self.llm = LLM(model=str(resolve_model(args.model)), enforce_eager=not args.compiled, dtype=args.dtype,
+                       max_model_len=8192, max_num_seqs=args.batch, seed=0, block_size=args.block_size,
+                       logits_processors=[EntropicLogitsProcessor, TeacherForcing])
+        runner = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        backend = runner.attn_groups[0][0].backend
+        if backend is not PrunedCPUAttentionBackend:
+            raise RuntimeError(f"the plugin did not install the pruned backend: {backend}")
+        self.dtype = str(runner.model_config.dtype).removeprefix("torch.")
+        self.batch = args.batch
+
+    def run(self, cases: list[Case], pruning: Any, force: list[list[int]] | None = None) -> dict:
+        """Greedy outputs of ``cases`` under ``pruning`` (None: dense), in batches; with ``force``, each case's
+        tokens forced and its per-position log-probabilities returned."""
+        from loadtest.instruments import TeacherForcing
+        from loadtest.pruned_requests import generate_counting_kept, greedy_params
+
+        texts, tokens, records = [], [], []
+        kept_weighted = total_steps = 0.0
+        started = time.perf_counter()
+        for lo in range(0, len(cases), self.batch):
+            chunk = cases[lo: lo + self.batch]
+            made = [greedy_params(len(force[lo + j]) if force else c.max_tokens, pruning,
+                                  fidelity={"force": force[lo + j]} if force else None)
+                    for j, c in enumerate(chunk)]
+            outs, kept = generate_counting_kept(self.llm, [c.prompt for c in chunk], [p for p, _ in made])
+            steps = sum(len(o.outputs[0].token_ids) for o in outs)
+            kept_weighted += kept * steps
+            total_steps += steps
+            texts += [o.outputs[0].text for o in outs]
+            tokens += [list(o.outputs[0].token_ids) for o in outs]
+            if force:
+                records += [TeacherForcing.records.pop(key) for _, key in made]
+        return {"texts": texts, "tokens": tokens, "records": records, "seconds": time.perf_counter() - started,
+                "kept": kept_weighted / total_steps if total_steps else 1.0}
+
+
+def _forced_metrics(dense: list[dict], pruned: list[dict]) -> tuple[list[float], list[float]]:
+    """Per case: top-1 agreement with dense and mean KL(dense || pruned) over forced positions (position 0
+    is the prefill's, always dense)."""
+    agreement, kl = [], []
+    for d_rec, p_rec in zip(dense, pruned):
+        positions = [pos for pos in sorted(d_rec) if pos > 0 and pos in p_rec]
+        agreement.append(st.fmean(float(d_rec[pos].argmax() == p_rec[pos].argmax()) for pos in positions))
+        kl.append(st.fmean(float((d_rec[pos].exp() * (d_rec[pos] - p_rec[pos])).sum()) for pos in positions))
+    return agreement, kl
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from workers.control_params import PruningControl
+
+    runner = Runner(args)
+    cases = [c for context in args.contexts for c in make_cases(context, args.cases, args.seed)]
+    tokenizer = runner.llm.get_tokenizer()
+    lengths = {(c.task, c.context): len(tokenizer.encode(c.prompt)) for c in cases}
+    runner.run(cases, None)  # prefill every prompt once: every configuration reads the same prefix cache
+    groups = {(t, ctx): [c for c in cases if c.task == t and c.context == ctx] for t in TASKS for ctx in args.contexts}
+    groups = {k: v for k, v in groups.items() if v}
+
+    dense = {k: runner.run(v, None) for k, v in groups.items()}
+    forced_tokens = {k: dense[k]["tokens"] for k in groups if k[0] == "natural"}
+    dense_forced = {k: runner.run(groups[k], None, forced_tokens[k]) for k in forced_tokens}
+
+    def evaluate(key: tuple[str, int], result: dict) -> dict:
+        group = groups[key]
+        row: dict[str, Any] = {"kept": result["kept"], "seconds": result["seconds"]}
+        if key[0] == "natural":
+            row["agreement"], row["kl"] = _forced_metrics(dense_forced[key]["records"], result["records"])
+        else:
+            row["correct"] = [correct(c, t) for c, t in zip(group, result["texts"])]
+            row["same_as_dense"] = [a == b for a, b in zip(result["tokens"], dense[key]["tokens"])]
+        return row
+
+    rows: list[dict] = []
+    for key in groups:
+        base = dense_forced[key] if key in forced_tokens else dense[key]
+        rows.append({"selector": "dense", "budget": None, "task": key[0], "context": key[1],
+                     "prompt_tokens": lengths[key], **evaluate(key, base)})
+    for budget in args.budgets:
+        law = PruningControl(keep_min=budget)
+        for key, group in groups.items():
+            force = forced_tokens.get(key)
+            ours = runner.run(group, law, force)
+            matched = PruningControl().merged(keep_overrides(max(ours["kept"], 1e-3))["pruning"])
+            results = {"entropy": ours, "fixed": runner.run(group, matched, force),
+                       "quest": runner.run(group, matched.merged({"info_weight": 0.0}), force)}
+            for selector, result in results.items():
+                rows.append({"selector": selector, "budget": budget, "task": key[0], "context": key[1],
+                             "prompt_tokens": lengths[key], **evaluate(key, result)})
+            print(f"budget {budget} {key}: kept " + ", ".join(f"{s} {r['kept']:.3f}" for s, r in results.items()),
+                  file=sys.stderr, flush=True)
+    return {"dtype": runner.dtype, "rows": rows}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per selector and budget, over contexts and cases: kept fraction, accuracy by task (with Wilson
+    intervals), identical-to-dense outputs, and the teacher-forced agreement and KL (with intervals)."""
+    out = []
+    configs = sorted({(r["selector"], r["budget"]) for r in rows},
+                     key=lambda c: (c[1] is not None, c[1] or 0.0, SELECTORS.index(c[0]) if c[0] in SELECTORS else -1))
+    for selector, budget in configs:
+        mine = [r for r in rows if r["selector"] == selector and r["budget"] == budget]
+        entry: dict[str, Any] = {"selector": selector, "budget": budget,
+                                 "kept": st.fmean(r["kept"] for r in mine), "accuracy": {}}
+        for task in TASKS[:-1]:
+            outcomes = [ok for r in mine if r["task"] == task for ok in r["correct"]]
+            if outcomes:
+                entry["accuracy"][task] = (sum(outcomes) / len(outcomes), *wilson(sum(outcomes), len(outcomes)))
+        same = [s for r in mine if r["task"] != "natural" for s in r["same_as_dense"]]
+        entry["same_as_dense"] = (sum(same) / len(same), *wilson(sum(same), len(same))) if same else None
+        kl = [v for r in mine if r["task"] == "natural" for v in r["kl"]]
+        agreement = [v for r in mine if r["task"] == "natural" for v in r["agreement"]]
+        entry["kl"] = mean_interval(kl)
+        entry["agreement"] = mean_interval(agreement)
+        entry["kept_by_context"] = {str(c): st.fmean(r["kept"] for r in mine if r["context"] == c)
+                                    for c in sorted({r["context"] for r in mine})}
+        entry["kl_by_context"] = {str(c): st.fmean(v for r in mine if r["context"] == c and r["task"] == "natural"
+                                                   for v in r["kl"])
+                                  for c in sorted({r["context"] for r in mine if r["task"] == "natural"})}
+        out.append(entry)
+    return out
+
+
+def _render(result: dict) -> str:
+    from loadtest.machine import header
+
+    lines = header(result, "KV pruning: entropy-driven vs fixed budget vs Quest selection at equal kept fraction",
+                   f"{result['dtype']}, block {result['block_size']}, {'compiled' if result['compiled'] else 'eager'}")
+    contexts = sorted({r["prompt_tokens"] for r in result["rows"]})
+    lines += [f"Prompts of {min(contexts)}-{max(contexts)} tokens (targets {result['contexts']}), {result['cases']} "
+              f"cases per task and length, greedy. Budget: the entropy law's keep_min; `fixed` and `quest` keep what "
+              "`entropy` kept on the same prompts. Intervals: 95% over cases (Wilson for proportions, normal for "
+              "means). Accuracy of dense shows which tasks are within this model's reach.", "",
+              "| selector | budget | kept | " + " | ".join(TASKS[:-1]) + " | same output as dense | "
+              "teacher-forced top-1 agreement | mean KL (nats) | KL by context |",
+              "|" + "---|" * (len(TASKS) + 7)]
+
+    def proportion(v: Any) -> str:
+        return "-" if v is None else f"{v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}]"
+
+    def mean(v: Any, digits: int) -> str:
+        return "-" if v is None or math.isnan(v[0]) else f"{v[0]:.{digits}f} [{v[1]:.{digits}f}-{v[2]:.{digits}f}]"
+
+    for e in result["summary"]:
+        by_context = ", ".join(f"{c}: {v:.4f}" for c, v in e["kl_by_context"].items())
+        lines.append(f"| {e['selector']} | {e['budget'] if e['budget'] is not None else '-'} | {e['kept']:.3f} | "
+                     + " | ".join(proportion(e["accuracy"].get(t)) for t in TASKS[:-1])
+                     + f" | {proportion(e['same_as_dense'])} | {mean(e['agreement'], 3)} | {mean(e['kl'], 4)} | "
+                     f"{by_context} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2000, 4000, 7000])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--cases", type=int, default=3, help="prompts per task and context length")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-gib", type=int, default=4)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled mode (default: eager, faster to start)")
+    parser.add_argument("--out", default="docs/results/selectors")
+    args = parser.parse_args(argv)
+
+    from loadtest.machine import publish
+
+    measured = measure(args)
+    publish("loadtest.bench_selectors", argv, args.out,
+            {"dtype": measured["dtype"], "block_size": args.block_size, "compiled": args.compiled,
+             "contexts": args.contexts, "cases": args.cases, "budgets": args.budgets,
+             "summary": summarize(measured["rows"]), "rows": measured["rows"]}, _render)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
