@@ -1,6 +1,6 @@
 """What entropy adds to KV pruning: block selectors at equal mean kept fraction, against dense (issue 14, item 1).
 
-    python -m loadtest.bench_selectors --contexts 2000 4000 7000 --budgets 0.1 0.25 0.5 --out docs/results/selectors
+    make bench-selectors ARGS="--contexts 2000 4000 7000 --budgets 0.1 0.25 0.5 --out docs/results/selectors"
 
 Selectors, each at several budgets (``--budgets``: the entropy law's ``keep_min``):
 
