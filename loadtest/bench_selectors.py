@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadtest.bench_pruning import keep_overrides
+from loadtest.stats import mean_interval, wilson
 from loadtest.workload import FILLER, TOKENS_PER_FILLER, passkey_prompt
 
 SELECTORS = ("entropy", "fixed", "quest")
@@ -107,24 +108,6 @@ def make_cases(context: int, cases: int, seed: int) -> list[Case]:
 def correct(case: Case, text: str) -> bool:
     assert case.answer is not None
     return case.answer in re.sub(r"[\s,.-]", "", text)
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    if n == 0:
-        return (math.nan, math.nan)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
-    if not values:
-        return (math.nan, math.nan, math.nan)
-    m = st.fmean(values)
-    half = z * st.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-    return (m, m - half, m + half)
 
 
 class Runner:

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from loadtest.bench_selectors import TASKS, Case, _forced_metrics, correct, make_cases, summarize, wilson
+from loadtest.bench_selectors import TASKS, Case, _forced_metrics, correct, make_cases, summarize
+from loadtest.stats import wilson
 
 
 def test_every_task_has_its_cases_and_each_asks_for_what_it_hid():
