@@ -103,9 +103,10 @@ async def _measure(core, args) -> dict:
 
 
 def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: int, kv_gib: int,
-              dtype: str = "float32"):
+              dtype: str = "float32", logits_processors: tuple[type, ...] = ()):
     """One replica core: ``plain`` is vLLM as shipped (``telemetry: false``, and the process was started
-    with ``plain_env``), ``pruned`` the served configuration with pruning on."""
+    with ``plain_env``), ``pruned`` the served configuration with pruning on; ``logits_processors``: a
+    benchmark's instruments (loadtest.instruments)."""
     from prometheus_client import CollectorRegistry
 
     from controller.config import SchedulingConfig
@@ -120,7 +121,8 @@ def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: in
                             cpu_threads=threads, kv_cache_space_gib=kv_gib),
         sampling=SamplingControl(enabled=False), pruning=PruningControl(enabled=pruned),
         scheduling=SchedulingConfig(enabled=False))
-    return ReplicaCore(config, replica_id=kind, metrics_registry=CollectorRegistry())
+    return ReplicaCore(config, replica_id=kind, metrics_registry=CollectorRegistry(),
+                       logits_processors=logits_processors)
 
 
 def add_core_arguments(parser: argparse.ArgumentParser, dtype: str) -> None:

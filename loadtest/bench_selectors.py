@@ -19,16 +19,21 @@ near-duplicate sentences with other numbers), ``two_part`` (a key split in two h
 needed) and ``natural`` (teacher forcing: each selector re-reads dense's greedy continuation of natural
 text, and its next-token distribution is compared with dense's: top-1 agreement and KL(dense || pruned)).
 
-One in-process vLLM engine (the pruned CPU backend from our plugin entry point, our entropy logits
-processor, the teacher-forcing instrument of ``loadtest.instruments``), greedy decoding, so each
-configuration's output is deterministic: the spread is over prompts, reported as 95% intervals (Wilson
-for accuracies, normal for mean KL). Every prompt is prefilled once before any configuration runs, so all
-of them decode from the same prefix-cache state. Outputs have a fixed length (the answer's span): this
-measures what pruning changes, not where a generation would end.
+Requests go through one replica core (``workers.core.ReplicaCore``, the replica that serves, compiled, with
+pruning on and the teacher-forcing instrument of ``loadtest.instruments``), each configuration being the
+request's ``entropic.pruning`` overrides. Block surprisal comes from what the engine runner feeds the pruner:
+each generated token's logprob and, only with ``--prompt-surprisal`` (prompt logprobs asked for, as a client
+can), the prompt's; without it prompt blocks sit at the request's mean surprisal, as served by default, and
+are ranked by Quest's bound alone, so ``fixed`` and ``quest`` differ only through generated blocks. Greedy
+decoding, so each configuration's output is deterministic: the spread is over prompts, reported as 95%
+intervals (Wilson for accuracies, normal for means). Every prompt is prefilled once before any
+configuration runs, so all of them decode from the same prefix-cache state. Outputs have a fixed length
+(the answer's span): this measures what pruning changes, not where a generation would end.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import pydoc_data.topics
 import random
@@ -36,6 +41,7 @@ import re
 import statistics as st
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,53 +117,59 @@ def correct(case: Case, text: str) -> bool:
 
 
 class Runner:
-    """The engine and the configurations' requests (vllm.LLM, as the pruning fidelity tests run it)."""
+    """One replica core (``workers.core.ReplicaCore``: the replica that serves, pruning on, sampling control
+    and scheduling off) with the teacher-forcing instrument; each configuration is a request's ``entropic``
+    overrides, as a client would send them."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from workers.engine import configure_process_env
-
-        configure_process_env(args.threads, args.kv_gib)
-        from vllm import LLM
-
+        from loadtest.bench_pruning import core_dtype, make_core
         from loadtest.instruments import TeacherForcing
-        from workers.model_store import resolve_model
-        from workers.pruned_attention import PrunedCPUAttentionBackend
-        from workers.sampling import EntropicLogitsProcessor
 
-        self.llm = LLM(model=str(resolve_model(args.model)), enforce_eager=not args.compiled, dtype=args.dtype,
-                       max_model_len=8192, max_num_seqs=args.batch, seed=0, block_size=args.block_size,
-                       logits_processors=[EntropicLogitsProcessor, TeacherForcing])
-        runner = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        backend = runner.attn_groups[0][0].backend
-        if backend is not PrunedCPUAttentionBackend:
-            raise RuntimeError(f"the plugin did not install the pruned backend: {backend}")
-        self.dtype = str(runner.model_config.dtype).removeprefix("torch.")
+        self.core = make_core("pruned", model=args.model, batch=args.batch, block_size=args.block_size,
+                              threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype,
+                              logits_processors=(TeacherForcing,))
+        self.dtype = core_dtype(self.core)
         self.batch = args.batch
+        self.prompt_surprisal = args.prompt_surprisal
 
-    def run(self, cases: list[Case], pruning: Any, force: list[list[int]] | None = None) -> dict:
-        """Greedy outputs of ``cases`` under ``pruning`` (None: dense), in batches; with ``force``, each case's
-        tokens forced and its per-position log-probabilities returned."""
+    async def _one(self, case: Case, overrides: dict, force: list[int] | None) -> tuple[list[int], str, str | None]:
+        from deployments.protocol import EntropicCompletionRequest
+
+        key = uuid.uuid4().hex if force else None
+        pruned = overrides["pruning"].get("enabled", True)
+        request = EntropicCompletionRequest(
+            prompt=case.prompt, max_tokens=len(force) if force else case.max_tokens, temperature=0, ignore_eos=True,
+            vllm_xargs={"fidelity_key": key, "fidelity_force": force} if force else None,
+            prompt_logprobs=0 if self.prompt_surprisal and pruned else None)
+        tokens, text = [], []
+        async for delta in self.core.generate("completion", request, overrides):
+            tokens += delta.token_ids
+            text.append(delta.text)
+        return tokens, "".join(text), key
+
+    async def run(self, cases: list[Case], pruning: dict | None, force: list[list[int]] | None = None) -> dict:
+        """Greedy outputs of ``cases`` under the ``pruning`` overrides (None: dense), in batches; with ``force``,
+        each case's tokens forced and its per-position log-probabilities returned."""
         from loadtest.instruments import TeacherForcing
-        from loadtest.pruned_requests import generate_counting_kept, greedy_params
+        from workers.pruning_state import STATE
 
+        overrides = {"pruning": pruning if pruning is not None else {"enabled": False}}
         texts, tokens, records = [], [], []
-        kept_weighted = total_steps = 0.0
+        kept = total = 0
         started = time.perf_counter()
         for lo in range(0, len(cases), self.batch):
             chunk = cases[lo: lo + self.batch]
-            made = [greedy_params(len(force[lo + j]) if force else c.max_tokens, pruning,
-                                  fidelity={"force": force[lo + j]} if force else None)
-                    for j, c in enumerate(chunk)]
-            outs, kept = generate_counting_kept(self.llm, [c.prompt for c in chunk], [p for p, _ in made])
-            steps = sum(len(o.outputs[0].token_ids) for o in outs)
-            kept_weighted += kept * steps
-            total_steps += steps
-            texts += [o.outputs[0].text for o in outs]
-            tokens += [list(o.outputs[0].token_ids) for o in outs]
+            before = (STATE.stats.blocks_kept, STATE.stats.blocks_total)
+            outs = await asyncio.gather(*(self._one(c, overrides, force[lo + j] if force else None)
+                                          for j, c in enumerate(chunk)))
+            kept += STATE.stats.blocks_kept - before[0]
+            total += STATE.stats.blocks_total - before[1]
+            tokens += [t for t, _, _ in outs]
+            texts += [x for _, x, _ in outs]
             if force:
-                records += [TeacherForcing.records.pop(key) for _, key in made]
+                records += [TeacherForcing.records.pop(key) for _, _, key in outs]
         return {"texts": texts, "tokens": tokens, "records": records, "seconds": time.perf_counter() - started,
-                "kept": kept_weighted / total_steps if total_steps else 1.0}
+                "kept": kept / total if total else 1.0}
 
 
 def _forced_metrics(dense: list[dict], pruned: list[dict]) -> tuple[list[float], list[float]]:
@@ -171,20 +183,19 @@ def _forced_metrics(dense: list[dict], pruned: list[dict]) -> tuple[list[float],
     return agreement, kl
 
 
-def measure(args: argparse.Namespace) -> dict:
-    from workers.control_params import PruningControl
-
+async def measure(args: argparse.Namespace) -> dict:
     runner = Runner(args)
+    runner.core.start()
     cases = [c for context in args.contexts for c in make_cases(context, args.cases, args.seed)]
-    tokenizer = runner.llm.get_tokenizer()
+    tokenizer = runner.core.runner.tokenizer
     lengths = {(c.task, c.context): len(tokenizer.encode(c.prompt)) for c in cases}
-    runner.run(cases, None)  # prefill every prompt once: every configuration reads the same prefix cache
+    await runner.run(cases, None)  # prefill every prompt once: every configuration reads the same prefix cache
     groups = {(t, ctx): [c for c in cases if c.task == t and c.context == ctx] for t in TASKS for ctx in args.contexts}
     groups = {k: v for k, v in groups.items() if v}
 
-    dense = {k: runner.run(v, None) for k, v in groups.items()}
+    dense = {k: await runner.run(v, None) for k, v in groups.items()}
     forced_tokens = {k: dense[k]["tokens"] for k in groups if k[0] == "natural"}
-    dense_forced = {k: runner.run(groups[k], None, forced_tokens[k]) for k in forced_tokens}
+    dense_forced = {k: await runner.run(groups[k], None, forced_tokens[k]) for k in forced_tokens}
 
     def evaluate(key: tuple[str, int], result: dict) -> dict:
         group = groups[key]
@@ -202,13 +213,13 @@ def measure(args: argparse.Namespace) -> dict:
         rows.append({"selector": "dense", "budget": None, "task": key[0], "context": key[1],
                      "prompt_tokens": lengths[key], **evaluate(key, base)})
     for budget in args.budgets:
-        law = PruningControl(keep_min=budget)
+        law = {"keep_min": budget, **({"max_step": args.max_step} if args.max_step is not None else {})}
         for key, group in groups.items():
             force = forced_tokens.get(key)
-            ours = runner.run(group, law, force)
-            matched = PruningControl().merged(keep_overrides(max(ours["kept"], 1e-3))["pruning"])
-            results = {"entropy": ours, "fixed": runner.run(group, matched, force),
-                       "quest": runner.run(group, matched.merged({"info_weight": 0.0}), force)}
+            ours = await runner.run(group, law, force)
+            matched = keep_overrides(max(ours["kept"], 1e-3))["pruning"]
+            results = {"entropy": ours, "fixed": await runner.run(group, matched, force),
+                       "quest": await runner.run(group, {**matched, "info_weight": 0.0}, force)}
             for selector, result in results.items():
                 rows.append({"selector": selector, "budget": budget, "task": key[0], "context": key[1],
                              "prompt_tokens": lengths[key], **evaluate(key, result)})
@@ -242,23 +253,37 @@ def summarize(rows: list[dict]) -> list[dict]:
         entry["kl_by_context"] = {str(c): st.fmean(v for r in mine if r["context"] == c and r["task"] == "natural"
                                                    for v in r["kl"])
                                   for c in sorted({r["context"] for r in mine if r["task"] == "natural"})}
+        if selector in ("entropy", "quest"):
+            entry["kl_minus_fixed"] = mean_interval(_paired_kl(rows, selector, budget))
         out.append(entry)
     return out
+
+
+def _paired_kl(rows: list[dict], selector: str, budget: float) -> list[float]:
+    """Per natural-text case, ``selector``'s KL minus ``fixed``'s at the same budget, task and context."""
+    natural = [r for r in rows if r["budget"] == budget and r["task"] == "natural"]
+    fixed = {r["context"]: r["kl"] for r in natural if r["selector"] == "fixed"}
+    return [a - b for r in natural if r["selector"] == selector and r["context"] in fixed
+            for a, b in zip(r["kl"], fixed[r["context"]], strict=True)]
 
 
 def _render(result: dict) -> str:
     from loadtest.machine import header
 
     lines = header(result, "KV pruning: entropy-driven vs fixed budget vs Quest selection at equal kept fraction",
-                   f"{result['dtype']}, block {result['block_size']}, {'compiled' if result['compiled'] else 'eager'}")
+                   f"{result['dtype']}, block {result['block_size']}, compiled, the replica core as served")
     contexts = sorted({r["prompt_tokens"] for r in result["rows"]})
+    surprisal = ("prompt blocks carry their tokens' surprisal (prompt logprobs asked for)" if result["prompt_surprisal"]
+                 else "prompt blocks at the request's mean surprisal, as served (no prompt logprobs asked for)")
     lines += [f"Prompts of {min(contexts)}-{max(contexts)} tokens (targets {result['contexts']}), {result['cases']} "
-              f"cases per task and length, greedy. Budget: the entropy law's keep_min; `fixed` and `quest` keep what "
-              "`entropy` kept on the same prompts. Intervals: 95% over cases (Wilson for proportions, normal for "
-              "means). Accuracy of dense shows which tasks are within this model's reach.", "",
+              f"cases per task and length, greedy. Budget: the entropy law's keep_min, its max_step "
+              f"{result['max_step'] if result['max_step'] is not None else 'the deployment default'}; `fixed` and "
+              f"`quest` keep what `entropy` kept on the same prompts; {surprisal}. Intervals: 95% over cases (Wilson "
+              "for proportions, normal for means). Accuracy of dense shows which tasks are within this model's "
+              "reach. Paired: per natural-text case, the selector's KL minus `fixed`'s at the same budget.", "",
               "| selector | budget | kept | " + " | ".join(TASKS[:-1]) + " | same output as dense | "
-              "teacher-forced top-1 agreement | mean KL (nats) | KL by context |",
-              "|" + "---|" * (len(TASKS) + 7)]
+              "teacher-forced top-1 agreement | mean KL (nats) | paired KL - fixed's | KL by context |",
+              "|" + "---|" * (len(TASKS) + 8)]
 
     def proportion(v: Any) -> str:
         return "-" if v is None else f"{v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}]"
@@ -271,7 +296,7 @@ def _render(result: dict) -> str:
         lines.append(f"| {e['selector']} | {e['budget'] if e['budget'] is not None else '-'} | {e['kept']:.3f} | "
                      + " | ".join(proportion(e["accuracy"].get(t)) for t in TASKS[:-1])
                      + f" | {proportion(e['same_as_dense'])} | {mean(e['agreement'], 3)} | {mean(e['kl'], 4)} | "
-                     f"{by_context} |")
+                     f"{mean(e.get('kl_minus_fixed'), 4)} | {by_context} |")
     return "\n".join(lines) + "\n"
 
 
@@ -287,15 +312,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-gib", type=int, default=4)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled mode (default: eager, faster to start)")
+    parser.add_argument("--max-step", type=float, default=None,
+                        help="the entropy law's max_step (default: the deployment's); 1 lets it reach keep_min at once")
+    parser.add_argument("--prompt-surprisal", action="store_true",
+                        help="pruned requests ask for prompt logprobs, so prompt blocks carry their surprisal "
+                        "(each such request is prefilled again: vLLM skips the prefix cache for them)")
     parser.add_argument("--out", default="docs/results/selectors")
     args = parser.parse_args(argv)
 
     from loadtest.machine import publish
 
-    measured = measure(args)
+    measured = asyncio.run(measure(args))
     publish("loadtest.bench_selectors", argv, args.out,
-            {"dtype": measured["dtype"], "block_size": args.block_size, "compiled": args.compiled,
+            {"dtype": measured["dtype"], "block_size": args.block_size, "max_step": args.max_step,
+             "prompt_surprisal": args.prompt_surprisal,
              "contexts": args.contexts, "cases": args.cases, "budgets": args.budgets,
              "summary": summarize(measured["rows"]), "rows": measured["rows"]}, _render)
     return 0

@@ -54,8 +54,9 @@ def test_summary_pools_cases_over_contexts_per_selector_and_budget():
             row("dense", None, "natural", 2000, kept=1.0, agreement=[1.0], kl=[0.0]),
             row("entropy", 0.25, "passkey", 2000, kept=0.4, correct=[True, False], same_as_dense=[True, False]),
             row("entropy", 0.25, "passkey", 4000, kept=0.3, correct=[True, True], same_as_dense=[True, True]),
-            row("entropy", 0.25, "natural", 2000, kept=0.5, agreement=[0.9, 0.7], kl=[0.1, 0.3])]
-    dense, entropy = summarize(rows)
+            row("entropy", 0.25, "natural", 2000, kept=0.5, agreement=[0.9, 0.7], kl=[0.1, 0.3]),
+            row("fixed", 0.25, "natural", 2000, kept=0.5, agreement=[0.9, 0.8], kl=[0.05, 0.1])]
+    dense, entropy, fixed = summarize(rows)
     assert dense["selector"] == "dense" and entropy["selector"] == "entropy"
     assert entropy["kept"] == pytest.approx((0.4 + 0.3 + 0.5) / 3)
     assert entropy["accuracy"]["passkey"][0] == pytest.approx(0.75)
@@ -63,3 +64,5 @@ def test_summary_pools_cases_over_contexts_per_selector_and_budget():
     assert entropy["kl"][0] == pytest.approx(0.2) and entropy["kl"][1] < 0.2 < entropy["kl"][2]
     assert entropy["kept_by_context"] == {"2000": pytest.approx(0.45), "4000": pytest.approx(0.3)}
     assert math.isnan(dense["kl"][1])  # one case: no interval
+    assert fixed["selector"] == "fixed" and "kl_minus_fixed" not in fixed
+    assert entropy["kl_minus_fixed"][0] == pytest.approx(((0.1 - 0.05) + (0.3 - 0.1)) / 2)  # paired by case
