@@ -167,7 +167,7 @@ class Runner:
             tokens += [t for t, _, _ in outs]
             texts += [x for _, x, _ in outs]
             if force:
-                records += [TeacherForcing.records.pop(key) for _, _, key in outs]
+                records += [TeacherForcing.records.pop(key) for _, _, key in outs if key is not None]
         return {"texts": texts, "tokens": tokens, "records": records, "seconds": time.perf_counter() - started,
                 "kept": kept / total if total else 1.0}
 
@@ -217,7 +217,9 @@ async def measure(args: argparse.Namespace) -> dict:
         for key, group in groups.items():
             force = forced_tokens.get(key)
             ours = await runner.run(group, law, force)
-            matched = keep_overrides(max(ours["kept"], 1e-3))["pruning"]
+            fixed_overrides = keep_overrides(max(ours["kept"], 1e-3))
+            assert fixed_overrides is not None  # None only when no fraction is given
+            matched = fixed_overrides["pruning"]
             results = {"entropy": ours, "fixed": await runner.run(group, matched, force),
                        "quest": await runner.run(group, {**matched, "info_weight": 0.0}, force)}
             for selector, result in results.items():
