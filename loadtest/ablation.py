@@ -56,7 +56,8 @@ def _core(config: dict, args):
         model=args.model,
         engine=EngineConfig(max_model_len=8192, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads,
                             dtype="float32", kv_cache_space_gib=4),
-        sampling=SamplingControl(enabled=config["sampling"]), pruning=PruningControl(enabled=config["pruning"]),
+        sampling=SamplingControl(enabled=config["sampling"]),
+        pruning=PruningControl(enabled=config["pruning"], budget="entropy", keep_min=0.25),  # the paper's law
         scheduling=SchedulingConfig(enabled=config["scheduling"]))
     return ReplicaCore(replica, replica_id="ablation", metrics_registry=CollectorRegistry(),
                        logits_processors=[TeacherForcing])

@@ -6,7 +6,7 @@ requests (greedy, ignore_eos: a decode-speed benchmark):
 * ``plain``: stock vLLM (``VLLM_PLUGINS`` names none of ours: vLLM's own CPU attention; the
   replica's ``telemetry: false``: no logits processor of ours);
 * ``pruned``: the replica with pruning on (our backend from the entry point, entropy telemetry),
-  the deployment's pruning law, or with ``--keep`` a kept fraction fixed through the request's
+  the deployment's pruning budget, or with ``--keep`` a kept fraction fixed through the request's
   ``entropic.pruning`` (what the fidelity tests use). Sampling control and scheduling are off.
 
 Per context length, batch ``--batch`` rows share one prompt prefix (distinct last line, so
@@ -40,11 +40,10 @@ def filler_prompts(tokenizer, context: int, batch: int) -> list[str]:
 
 def keep_overrides(keep: float | None) -> dict | None:
     """A request's ``entropic`` overrides that fix its kept fraction from the first decode step; None: the
-    deployment's law. The regime sits above any entropy this model reaches, so the law stays at keep_min
-    (before 2026-11-27 only entropy_high moved, and at ~2 nats the law kept ~0.30 where 0.25 was asked)."""
+    deployment's budget."""
     if keep is None:
         return None
-    return {"pruning": {"keep_min": keep, "entropy_low": 19.0, "entropy_high": 20.0, "max_step": 1.0}}
+    return {"pruning": {"budget": "fixed", "keep_min": keep}}
 
 
 async def run_batch(core, prompts: list[str], max_tokens: int, overrides: dict | None) -> None:
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--reps", type=int, default=2, help="repetitions per context in each process")
     parser.add_argument("--rounds", type=int, default=2, help="plain/pruned process pairs per block size")
-    parser.add_argument("--keep", type=float, default=None, help="fixed keep fraction; default: the deployment law")
+    parser.add_argument("--keep", type=float, default=None, help="fixed keep fraction; default: the deployment's budget")
     parser.add_argument("--selection", choices=["fused", "torch"], default="fused",
                         help="block selection: the fused C op (serving default) or the torch path")
     add_core_arguments(parser, dtype="float32")  # as its published runs

@@ -4,9 +4,9 @@
 
 Selectors, each at several budgets (``--budgets``: the entropy law's ``keep_min``):
 
-* ``entropy`` (ours, as served): the entropy-driven budget of ``controller.laws.pruning`` (keep fraction
-  between ``keep_min`` at low entropy and everything at high entropy, moving at most ``max_step`` a step)
-  with surprisal-weighted Quest scores (``info_weight`` 1);
+* ``entropy`` (the paper's law, served by default until these results): the entropy-driven budget of
+  ``controller.laws.pruning`` (keep fraction between ``keep_min`` at low entropy and everything at high
+  entropy, moving at most ``max_step`` a step) with surprisal-weighted Quest scores (``info_weight`` 1);
 * ``fixed``: the same scores, a kept fraction fixed from the first decode step at what ``entropy`` kept on
   the same prompts (matched per task and context length, so both read the same number of blocks);
 * ``quest``: the same fixed fraction with Quest's bound alone (``info_weight`` 0: no surprisal weighting);
@@ -213,7 +213,7 @@ async def measure(args: argparse.Namespace) -> dict:
         rows.append({"selector": "dense", "budget": None, "task": key[0], "context": key[1],
                      "prompt_tokens": lengths[key], **evaluate(key, base)})
     for budget in args.budgets:
-        law = {"keep_min": budget, **({"max_step": args.max_step} if args.max_step is not None else {})}
+        law = {"budget": "entropy", "keep_min": budget, **({"max_step": args.max_step} if args.max_step is not None else {})}
         for key, group in groups.items():
             force = forced_tokens.get(key)
             ours = await runner.run(group, law, force)

@@ -28,7 +28,8 @@ from controller.laws.calibration import fit_temperature
 from loadtest.workload import passkey_prompt
 from workers.control_params import PruningControl
 
-NAIVE = PruningControl(keep_min=0.05, min_blocks=2, entropy_low=0.5, entropy_high=3.0, max_step=1.0)
+NAIVE = PruningControl(budget="entropy", keep_min=0.05, min_blocks=2, entropy_low=0.5, entropy_high=3.0,
+                       max_step=1.0)
 GUARDS = {"entropy_min": 1.75, "min_blocks": 8}
 HELD_OUT_OFFSET = 350_000  # characters into pydoc_data.topics (433K); the fidelity tests read 0-12K and 200K-212K
 

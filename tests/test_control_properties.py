@@ -49,7 +49,7 @@ def test_temperature_map_contracts_when_eta_l_below_one(entropy_curves):
 def test_laws_stay_in_their_invariant_set_over_a_long_run(real_logits):
     rng = random.Random(0)
     law = TemperatureLaw(target_entropy=2.0, eta=0.3, t_min=0.1, t_max=2.0, max_log_step=0.5)
-    pruning = PruningLaw()
+    pruning = PruningLaw(budget="entropy", keep_min=0.25)
     t, fraction = 1.0, None
     log_v = math.log(real_logits.shape[-1])
     for step in range(2000):

@@ -157,9 +157,9 @@ LONG_PROMPT = ("Remember this: the secret colour is turquoise. " + "The grass is
 
 
 def test_kv_pruning_on_the_serving_path(client, served_model):
-    # ~1.5K tokens: above the default min_context_tokens (1024); an aggressive per-request setting
-    out = client.completions.create(model=served_model, prompt=LONG_PROMPT, max_tokens=8, temperature=0, extra_body={
-        "entropic": {"pruning": {"keep_min": 0.3, "entropy_high": 20.0, "max_step": 1.0}}})
+    # ~1.5K tokens: above the default min_context_tokens (1024), so the deployment's default (a fixed budget)
+    # prunes from the first decode step
+    out = client.completions.create(model=served_model, prompt=LONG_PROMPT, max_tokens=8, temperature=0)
     kv_blocks = _entropic(out.choices[0])["kv_blocks"]
     assert len(kv_blocks) == out.usage.completion_tokens - 1  # every decode step (the first token is prefill)
     assert all(kept < total for kept, total in kv_blocks), kv_blocks
@@ -213,6 +213,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"keep_min": 0}}}, "entropic.pruning.keep_min"),
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"entropy_low": 4, "entropy_high": 1}}}, "entropic"),
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"blocks": 3}}}, "entropic.pruning.blocks"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"budget": "adaptive"}}}, "entropic.pruning.budget"),
     ("chat", {"messages": "not a list"}, "messages"),
     # vLLM fields this server does not honour: refused by name, never parsed and ignored
     ("chat", {"messages": FACT_PROMPT, "priority": 3}, "priority"),

@@ -18,7 +18,7 @@ from workers.control_params import PruningControl
 
 # ~2K, ~4K and ~7K tokens of filler; passkey at three depths each
 PASSKEY_CASES = [(reps, depth) for reps in (85, 170, 295) for depth in (0.2, 0.5, 0.8)]
-AGGRESSIVE = PruningControl(keep_min=0.25, entropy_high=20.0, max_step=1.0)  # ~1/4 of the blocks from step 1
+AGGRESSIVE = PruningControl(budget="fixed", keep_min=0.25)  # 1/4 of the blocks from step 1
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,8 @@ def test_guards_and_calibration_keep_passkey_accuracy_under_overconfidence(llm, 
     prompts, keys = passkeys[0][3:], passkeys[1][3:]  # ~4K and ~7K
     stress = {"scale": 4.0}  # logits x4: same argmax, much lower entropy (paper §6.2)
     dense, _, _ = _generate(llm, prompts, None, 12, stress)
-    naive = PruningControl(keep_min=0.05, min_blocks=2, entropy_low=0.5, entropy_high=3.0, max_step=1.0)
+    naive = PruningControl(budget="entropy", keep_min=0.05, min_blocks=2, entropy_low=0.5, entropy_high=3.0,
+                           max_step=1.0)
     guarded = naive.merged({"entropy_min": 1.75, "min_blocks": 8})
     calm, _, calm_ratio = _generate(llm, prompts, naive, 12)  # the same law without the stress
     unguarded, _, naive_ratio = _generate(llm, prompts, naive, 12, stress)

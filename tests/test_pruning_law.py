@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_low_entropy_prunes_hard_high_entropy_attends_everything():
-    law = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5)
+    law = PruningLaw(budget="entropy", keep_min=0.2, entropy_low=0.5, entropy_high=2.5)
     assert target_keep_fraction(0.1, law) == pytest.approx(0.2)
     assert target_keep_fraction(3.0, law) == 1.0
     assert target_keep_fraction(1.5, law) == pytest.approx(0.6)
@@ -24,9 +24,9 @@ def test_low_entropy_prunes_hard_high_entropy_attends_everything():
 
 
 def test_entropy_floor_and_error_bound_make_pruning_conservative():
-    plain = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5)
-    floored = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5, entropy_min=1.5)
-    widened = PruningLaw(keep_min=0.2, entropy_low=0.5, entropy_high=2.5, epsilon_h=1.0)
+    plain = PruningLaw(budget="entropy", keep_min=0.2, entropy_low=0.5, entropy_high=2.5)
+    floored = PruningLaw(budget="entropy", keep_min=0.2, entropy_low=0.5, entropy_high=2.5, entropy_min=1.5)
+    widened = PruningLaw(budget="entropy", keep_min=0.2, entropy_low=0.5, entropy_high=2.5, epsilon_h=1.0)
     # an overconfident estimate (0.0) cannot push the floored law below f(H_min)
     assert target_keep_fraction(0.0, floored) == pytest.approx(target_keep_fraction(1.5, plain))
     assert target_keep_fraction(0.5, widened) == pytest.approx(target_keep_fraction(1.5, plain))
@@ -36,7 +36,7 @@ def test_entropy_floor_and_error_bound_make_pruning_conservative():
 
 
 def test_rate_of_change_is_bounded_and_starts_dense():
-    law = PruningLaw(keep_min=0.1, max_step=0.2)
+    law = PruningLaw(budget="entropy", keep_min=0.1, max_step=0.2)
     f = None
     seen = []
     for _ in range(6):
@@ -46,6 +46,17 @@ def test_rate_of_change_is_bounded_and_starts_dense():
     assert all(abs(a - b) <= 0.2 + 1e-12 for a, b in zip([1.0] + seen, seen))
     assert seen[-1] == pytest.approx(0.1)
     assert next_keep_fraction(0.1, 10.0, law) == pytest.approx(0.3)
+
+
+def test_fixed_budget_keeps_its_fraction_from_the_first_step_whatever_the_entropy():
+    law = PruningLaw(budget="fixed", keep_min=0.3, max_step=0.1)
+    f = None
+    for h in (math.nan, 0.0, 5.0, 0.2, 12.0):
+        f = next_keep_fraction(f, h, law)
+        assert f == 0.3 and target_keep_fraction(h, law) == 0.3
+    assert blocks_to_keep(40, 5000, f, law) == 12
+    with pytest.raises(ValueError):
+        PruningLaw(budget="adaptive")  # type: ignore[arg-type]
 
 
 def test_block_budget_guards():

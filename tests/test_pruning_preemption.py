@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent("""
               logits_processors=[EntropicLogitsProcessor])
     keys = [48611, 70937]
     prompts = [passkey_prompt(170, depth, key) for depth, key in zip((0.3, 0.7), keys)]
-    pruning = PruningControl(keep_min=0.25, entropy_high=20.0, max_step=1.0)
+    pruning = PruningControl(budget="fixed", keep_min=0.25)
     outs = llm.generate(prompts, [greedy_params(120, pruning)[0] for _ in prompts], use_tqdm=False)
     print(json.dumps({
         "preemptions": len(preempted),

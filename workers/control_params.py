@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from controller.laws.pruning import Budget
+
 EstimatorName = Literal["exact", "topk", "tail"]
 EXTRA_ARGS_KEY = "entropic"
 
@@ -114,9 +116,14 @@ class PruningControl(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True
-    keep_min: float = Field(0.25, gt=0.0, le=1.0, description="fraction of blocks kept at the lowest entropy")
-    entropy_low: float = Field(0.5, ge=0.0, le=20.0, description="at or below: keep_min (nats)")
-    entropy_high: float = Field(3.0, ge=0.0, le=20.0, description="at or above: everything kept (nats)")
+    budget: Budget = Field("fixed", description="fixed: keep_min of the blocks from the first decode step; entropy: "
+                           "the paper's law, from keep_min at entropy_low to everything at entropy_high "
+                           "(docs/pruning.md says why fixed is the default)")
+    keep_min: float = Field(0.5, gt=0.0, le=1.0, description="fraction of blocks kept: always (budget fixed), or at "
+                            "the lowest entropy (budget entropy)")
+    entropy_low: float = Field(0.5, ge=0.0, le=20.0, description="budget entropy: at or below, keep_min (nats)")
+    entropy_high: float = Field(3.0, ge=0.0, le=20.0, description="budget entropy: at or above, everything kept "
+                                "(nats)")
     epsilon_h: float = Field(0.0, ge=0.0, le=20.0, description="estimator error bound added before pruning")
     entropy_min: float = Field(0.0, ge=0.0, le=20.0, description="entropy floor H_min for pruning decisions")
     min_blocks: int = Field(4, ge=2, le=4096, description="B_min; the sink and current blocks are always in")

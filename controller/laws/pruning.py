@@ -5,7 +5,9 @@ attention kernel needs the *number* of kept blocks to size its work once per ste
 shared by every layer), so the law here sets K_t, the size of B_t, and the worker keeps the
 K_t blocks of highest I_b: that is B_t with theta_t the K_t-th largest I_b.
 
-Keep fraction from the entropy regime, with the §5 guards:
+Two budgets. ``fixed`` (the deployment default): f_t = keep_min from the first
+decode step, whatever the entropy. ``entropy`` (the paper's law): the keep fraction follows the entropy
+regime, with the §5 guards:
 
     H_eff = max(H_hat + eps_H, H_min)             # conservative entropy used for pruning
     f*    = f_min + (1 - f_min) * clip((H_eff - H_low) / (H_high - H_low), 0, 1)
@@ -22,16 +24,24 @@ Keep fraction from the entropy regime, with the §5 guards:
   gradually after its prompt rather than at once.
 * Contexts shorter than ``min_context_tokens`` stay dense: with few blocks the selection
   costs more than it saves.
+
+Why a fixed budget is the default: at the same mean kept fraction, with the same block scores, the
+entropy-driven budget lost more fidelity to dense than a fixed one on every budget measured
+(``make bench-selectors``; docs/results/README.md, "What entropy adds to pruning").
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+Budget = Literal["fixed", "entropy"]
 
 
 @dataclass(frozen=True)
 class PruningLaw:
-    keep_min: float = 0.25
+    budget: Budget = "fixed"
+    keep_min: float = 0.5
     entropy_low: float = 0.5
     entropy_high: float = 3.0
     epsilon_h: float = 0.0
@@ -41,6 +51,8 @@ class PruningLaw:
     min_context_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        if self.budget not in ("fixed", "entropy"):
+            raise ValueError(f"budget must be 'fixed' or 'entropy', got {self.budget!r}")
         if not 0.0 < self.keep_min <= 1.0:
             raise ValueError(f"keep_min must be in (0, 1], got {self.keep_min}")
         if not self.entropy_low < self.entropy_high:
@@ -51,6 +63,8 @@ class PruningLaw:
 
 def target_keep_fraction(entropy: float, law: PruningLaw) -> float:
     """f* for one sequence whose smoothed entropy estimate is ``entropy`` (nats)."""
+    if law.budget == "fixed":
+        return law.keep_min
     if math.isnan(entropy):
         return 1.0  # no estimate yet: attend to everything
     h_eff = max(entropy + law.epsilon_h, law.entropy_min)
@@ -59,7 +73,10 @@ def target_keep_fraction(entropy: float, law: PruningLaw) -> float:
 
 
 def next_keep_fraction(previous: float | None, entropy: float, law: PruningLaw) -> float:
-    """f_t: the target, moved at most ``max_step`` from the previous step's fraction."""
+    """f_t: the target, moved at most ``max_step`` from the previous step's fraction (a fixed budget
+    holds from the first decode step: that is how it was measured against the entropy law)."""
+    if law.budget == "fixed":
+        return law.keep_min
     prev = 1.0 if previous is None else previous
     target = target_keep_fraction(entropy, law)
     return min(max(target, prev - law.max_step), prev + law.max_step)
