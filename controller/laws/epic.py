@@ -1,0 +1,225 @@
+"""Entropy-aligned decoding (EPIC): the math of one exact draw, the lookahead estimate and α's fit.
+
+EPIC samples token y from the model's next-token distribution tilted by the entropy of the
+continuation y leads to:
+
+    q_α(y | y_<t) ∝ q(y | y_<t) · exp(−α · H_{t:t+k}(y))
+
+Gumbel-Max turns the draw into an argmax of s_i = z_i − α·H_i, with z_i = logit_i + G_i and G_i
+i.i.d. Gumbel(0, 1). The lookahead entropies H_i cost rollouts, so the argmax is found lazily
+(paper §4, Algorithm 1): every candidate carries bounds L_i ≤ H_i ≤ U_i, hence bounds on s_i; a
+candidate whose best case is below another's worst case can never win, and candidates are
+evaluated in descending order of their best case until the best evaluated score is at least every
+remaining best case. The result is the exact argmax of the scores given the estimated entropies,
+hence an exact sample of q_α with H replaced by its estimate, whatever the bounds are, as long as
+they hold.
+
+Bounds: a step's entropy lies in [0, log V], so H_{t:t+k} in [0, k·log V] (admissible for every
+model); once a candidate's first lookahead step is computed, H = h_1 + H_{t+1:t+k} with the rest in
+[0, (k−1)·log V]. ``step_max`` may replace log V by a smaller per-step ceiling observed for the
+model (the paper's "tighter bounds"); then exactness holds only where that ceiling does.
+
+The lookahead estimate is the paper's Rao-Blackwellised one (Appendix B.2): the sum over the k
+steps of the mean, over rollouts, of each step's exact entropy, which has no more variance than the
+Monte Carlo mean of the rollouts' surprisal.
+
+α is fitted by moment matching (Appendix B.1): the cross-entropy of held-out text under q_α is
+convex in α with derivative μ_p − μ_α, where μ_p is the reference's mean entropy statistic and
+μ_α = E_q[H e^{−αH}] / E_q[e^{−αH}] (importance weights over samples of q) is nonincreasing in α,
+so α* is found by bisection.
+
+Pure math: no engine, no tensors. The engine side (rollouts through vLLM) calls these.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EpicParams:
+    alpha: float = 0.0
+    horizon: int = 4  # k: lookahead steps after the candidate
+    rollouts: int = 1  # K: rollouts per evaluated candidate
+    max_candidates: int = 64  # most candidates whose lookahead one token may evaluate
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.alpha):
+            raise ValueError("alpha must be finite")
+        if self.horizon < 1 or self.rollouts < 1 or self.max_candidates < 1:
+            raise ValueError("need horizon >= 1, rollouts >= 1, max_candidates >= 1")
+
+
+def rao_blackwell_lookahead(step_entropies: Sequence[Sequence[float]]) -> float:
+    """Ĥ^RB = Σ_j (1/K) Σ_i H(Y_{t+j} | y^{(i)}_{≤t+j−1}) from K rollouts' per-step exact entropies
+    ([K][steps]). A rollout that ended early (EOS) contributes 0 for its missing steps: nothing more is
+    generated, so nothing more is uncertain."""
+    if not step_entropies:
+        raise ValueError("need at least one rollout")
+    k = len(step_entropies)
+    steps = max(len(r) for r in step_entropies)
+    return sum(sum(r[j] for r in step_entropies if j < len(r)) / k for j in range(steps))
+
+
+def monte_carlo_lookahead(surprisals: Sequence[Sequence[float]]) -> float:
+    """The plain estimate the Rao-Blackwellised one replaces: the rollouts' mean total surprisal
+    −log q(y_{t+1:t+k} | y_≤t) ([K][steps] per-token surprisal)."""
+    if not surprisals:
+        raise ValueError("need at least one rollout")
+    return sum(sum(r) for r in surprisals) / len(surprisals)
+
+
+def entropy_bounds(horizon: int, vocab_size: int, first_step: float | None = None,
+                   step_max: float | None = None) -> tuple[float, float]:
+    """[L, U] on H_{t:t+k}: each step's entropy in [0, step_max] (log V unless a smaller ceiling is
+    given); with the first step's entropy known, the rest of the horizon is what is unknown."""
+    ceiling = math.log(vocab_size) if step_max is None else step_max
+    if first_step is None:
+        return 0.0, horizon * ceiling
+    return first_step, first_step + (horizon - 1) * ceiling
+
+
+def score_bounds(perturbed: float, lower: float, upper: float, alpha: float) -> tuple[float, float]:
+    """[lo, hi] of s = perturbed − α·H for H in [lower, upper]; α may be negative (favouring entropy)."""
+    if alpha >= 0:
+        return perturbed - alpha * upper, perturbed - alpha * lower
+    return perturbed - alpha * lower, perturbed - alpha * upper
+
+
+@dataclass
+class LazyArgmax:
+    index: int  # position in the candidate list of the argmax of s_i
+    score: float  # s_index; only a lower bound when nothing was evaluated
+    evaluated: list[int] = field(default_factory=list)  # candidates whose entropy was estimated, in order
+    survivors: int = 0  # candidates left after the bound test, before any evaluation
+    exact: bool = True  # false: max_evaluations stopped the search before the bounds settled it
+
+
+def lazy_argmax(perturbed: Sequence[float], lower: Sequence[float], upper: Sequence[float], alpha: float,
+                evaluate: Callable[[list[int]], list[float]], batch: int = 1,
+                max_evaluations: int | None = None) -> LazyArgmax:
+    """argmax_i perturbed_i − α·H_i, estimating H_i (``evaluate``: candidates -> their H) only where the
+    bounds cannot settle it. ``batch`` candidates are evaluated per call (one batched rollout), best case
+    first. Requires lower_i ≤ H_i ≤ upper_i for the estimates ``evaluate`` returns. With
+    ``max_evaluations``, the search stops there and returns the best evaluated candidate, flagged inexact
+    if an unevaluated one could still have won."""
+    n = len(perturbed)
+    if n == 0 or len(lower) != n or len(upper) != n:
+        raise ValueError("need one perturbed score and one bound pair per candidate")
+    if batch < 1 or (max_evaluations is not None and max_evaluations < 1):
+        raise ValueError("batch and max_evaluations must be >= 1")
+    if alpha == 0.0:  # the tilt vanishes: plain Gumbel-Max
+        best = max(range(n), key=lambda i: perturbed[i])
+        return LazyArgmax(best, perturbed[best], [], 1)
+    bounds = [score_bounds(perturbed[i], lower[i], upper[i], alpha) for i in range(n)]
+    floor = max(lo for lo, _ in bounds)
+    alive = sorted((i for i in range(n) if bounds[i][1] >= floor), key=lambda i: -bounds[i][1])
+    result = LazyArgmax(alive[0], -math.inf, [], len(alive))
+    if len(alive) == 1:
+        result.score = bounds[alive[0]][0]
+        return result
+    budget = len(alive) if max_evaluations is None else max_evaluations
+    position = 0
+    while position < len(alive) and result.score < bounds[alive[position]][1]:
+        if position >= budget:
+            result.exact = False
+            break
+        chunk = alive[position:min(position + batch, budget)]
+        position += len(chunk)
+        for i, h in zip(chunk, evaluate(chunk), strict=True):
+            result.evaluated.append(i)
+            s = perturbed[i] - alpha * h
+            if s > result.score:
+                result.index, result.score = i, s
+    return result
+
+
+def expected_contenders(probs: Sequence[float], width: float) -> float:
+    """E[#{i : z_i > max_j z_j − width}] for Gumbel-perturbed log-probabilities: Σ_i a_i e^w / (1 + a_i(e^w − 1)).
+
+    The others' maximum max_{j≠i} z_j is Gumbel located at log(1 − a_i), so token i is within w of the
+    maximum with probability a_i e^w / (a_i e^w + 1 − a_i). The paper's Lemma 4.1 (eq. 32) prints
+    a_i e^w / (1 + a_i e^w), which leaves out the −a_i (it treats the maximum as independent of z_i) and
+    undercounts where one token has most of the mass; its bound, fewer than e^w, still holds (Jensen on the
+    concave summand gives n e^w / (n + e^w − 1))."""
+    scale = math.exp(width)
+    return sum(a * scale / (1.0 + a * (scale - 1.0)) for a in probs)
+
+
+def tilted_probabilities(logprobs: Sequence[float], lookahead: Sequence[float], alpha: float) -> list[float]:
+    """q_α over a candidate set, exhaustively: softmax(log q_i − α·H_i). The reference the lazy draw is
+    tested against."""
+    scores = [lp - alpha * h for lp, h in zip(logprobs, lookahead, strict=True)]
+    top = max(scores)
+    weights = [math.exp(s - top) for s in scores]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+# --- α* (Appendix B.1) -------------------------------------------------------------------------------
+def tilted_mean(statistics: Sequence[float], alpha: float) -> float:
+    """μ_α = Σ H_i e^{−αH_i} / Σ e^{−αH_i} over samples of q (self-normalised importance sampling)."""
+    if not statistics:
+        raise ValueError("need samples")
+    exponents = [-alpha * h for h in statistics]
+    top = max(exponents)
+    weights = [math.exp(e - top) for e in exponents]
+    return sum(w * h for w, h in zip(weights, statistics)) / sum(weights)
+
+
+def effective_sample_size(statistics: Sequence[float], alpha: float) -> float:
+    """Kish's effective sample size of the importance weights e^{−αH}: how many of the samples μ_α still
+    rests on (an α whose ESS is a handful is extrapolated, not fitted)."""
+    exponents = [-alpha * h for h in statistics]
+    top = max(exponents)
+    weights = [math.exp(e - top) for e in exponents]
+    return sum(weights) ** 2 / sum(w * w for w in weights)
+
+
+@dataclass(frozen=True)
+class AlphaFit:
+    alpha: float
+    reference_mean: float  # μ_p
+    model_mean: float  # μ_0: the untilted model's mean statistic
+    fitted_mean: float  # μ_α at the fitted α
+    effective_samples: float
+    iterations: int
+    clipped: bool  # the root lies outside [lo, hi]; alpha is the nearer end
+
+
+def fit_alpha(reference: Sequence[float], samples: Sequence[float], lo: float = -5.0, hi: float = 5.0,
+              tol: float = 1e-6, max_iter: int = 200) -> AlphaFit:
+    """α* with μ_α = μ_p, by bisection on g(α) = μ_p − μ_α (nondecreasing in α).
+
+    ``reference``: the entropy statistic of held-out text (μ_p is its mean); ``samples``: the same
+    statistic of the model's own samples (q), which the importance weights tilt."""
+    if not reference or not samples:
+        raise ValueError("need reference and model samples")
+    if not lo < hi:
+        raise ValueError("need lo < hi")
+    mu_p = sum(reference) / len(reference)
+
+    def g(a: float) -> float:
+        return mu_p - tilted_mean(samples, a)
+
+    iterations, clipped = 0, False
+    if g(lo) == 0.0 == g(hi):  # the samples cannot tell α apart (no spread): no tilt
+        alpha = 0.0
+    elif g(lo) >= 0:
+        alpha, clipped = lo, g(lo) > 0
+    elif g(hi) <= 0:
+        alpha, clipped = hi, g(hi) < 0
+    else:
+        a, b = lo, hi
+        while b - a > tol and iterations < max_iter:
+            mid = 0.5 * (a + b)
+            if g(mid) < 0:
+                a = mid
+            else:
+                b = mid
+            iterations += 1
+        alpha = 0.5 * (a + b)
+    return AlphaFit(alpha=alpha, reference_mean=mu_p, model_mean=tilted_mean(samples, 0.0),
+                    fitted_mean=tilted_mean(samples, alpha), effective_samples=effective_sample_size(samples, alpha),
+                    iterations=iterations, clipped=clipped)
