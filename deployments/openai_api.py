@@ -177,6 +177,8 @@ def _chunk_entropic(delta: Any) -> dict[str, Any]:
             "entropic_time": delta.entropic_time}
     if delta.kv_blocks:
         body["kv_blocks"] = [list(kt) for kt in delta.kv_blocks]
+    if delta.epic:
+        body["epic"] = [dataclasses.asdict(step) for step in delta.epic]
     return body
 
 
@@ -742,6 +744,7 @@ class OpenAIIngress:
         entropy: list[list[float]] = [[] for _ in range(n)]
         temperature: list[list[float]] = [[] for _ in range(n)]
         kv_blocks: list[list[list[int]]] = [[] for _ in range(n)]
+        epic: list[list[dict]] = [[] for _ in range(n)]
         last = [first for first, _ in starts]
         try:
             async for i, delta in _until(self._indexed(starts), deadline):
@@ -753,6 +756,7 @@ class OpenAIIngress:
                 entropy[i] += delta.entropy
                 temperature[i] += delta.temperature
                 kv_blocks[i] += [list(kt) for kt in delta.kv_blocks]
+                epic[i] += [dataclasses.asdict(step) for step in delta.epic or ()]
         except _DeadlineExceeded:
             return _error(_timed_out(self.config.request_timeout_s), code=408, kind="RequestTimeoutError")
         except Exception as exc:
@@ -764,6 +768,8 @@ class OpenAIIngress:
                         "entropy_variance": last[i].entropy_variance}
             if kv_blocks[i]:
                 entropic["kv_blocks"] = kv_blocks[i]
+            if epic[i]:
+                entropic["epic"] = epic[i]
             # vLLM's extra field, present whenever the engine computed them (prompt_logprobs, or echo with logprobs)
             prompt = lp.prompt_field(views[i].prompt_positions) if views[i].prompt_positions else None
             if kind == "chat":

@@ -41,7 +41,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: F401
 )
 from vllm.exceptions import VLLMValidationError
 
-from workers.control_params import PruningControl, SamplingControl
+from workers.control_params import EpicControl, PruningControl, SamplingControl
 from workers.errors import InvalidRequest
 
 
@@ -61,6 +61,7 @@ EntropicOptions = create_model(
     __config__=ConfigDict(extra="forbid"),
     pruning=(PruningOptions | None, None),
     **{name: _optional(field) for name, field in SamplingControl.model_fields.items()},
+    **{name: _optional(field) for name, field in EpicControl.model_fields.items()},
 )
 
 
@@ -79,6 +80,15 @@ def _absent(value: Any) -> bool:
     return value is None
 
 
+class EpicTokenTelemetry(BaseModel):
+    """How one token of an EPIC request was drawn (``workers.engine.EpicStep``)."""
+
+    lookahead_entropy: float | None  # nats over the horizon, where the chosen token's lookahead was estimated
+    candidates_evaluated: int
+    rollout_tokens: int
+    exact: bool
+
+
 class EntropicTelemetry(BaseModel):
     """The ``entropic`` object of every choice: per generated token (of this stream chunk, or of the whole
     choice) its entropy in nats and the temperature it was sampled at (null where not finite), entropic time
@@ -91,6 +101,7 @@ class EntropicTelemetry(BaseModel):
     mean_entropy: float | None = Field(None, exclude_if=_absent)
     entropy_variance: float | None = Field(None, exclude_if=_absent)
     kv_blocks: list[list[int]] | None = Field(None, exclude_if=_absent)
+    epic: list[EpicTokenTelemetry] | None = Field(None, exclude_if=_absent)
 
 
 class EntropicChatChoice(ChatCompletionResponseChoice):

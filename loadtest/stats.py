@@ -33,3 +33,53 @@ def mean_interval(values: Iterable[float], z: float = 1.96) -> tuple[float, floa
     m = st.fmean(kept)
     half = z * st.stdev(kept) / math.sqrt(len(kept)) if len(kept) > 1 else math.nan
     return (m, m - half, m + half)
+
+
+def chi2_sf(x2: float, df: int) -> float:
+    """P(X > x2) for X ~ chi-square with ``df`` degrees of freedom: Q(df/2, x2/2), the regularised upper
+    incomplete gamma (series below a + 1, Lentz's continued fraction above)."""
+    a, x = df / 2.0, x2 / 2.0
+    if x <= 0:
+        return 1.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        n = a
+        while abs(term) > abs(total) * 1e-15:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 1000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(log_front) * h
+
+
+def chi_square_p(observed: list[int], probs: list[float]) -> float:
+    """Pearson's goodness of fit of counts to a distribution over the same categories."""
+    n = sum(observed)
+    return chi2_sf(sum((o - p * n) ** 2 / (p * n) for o, p in zip(observed, probs, strict=True)), len(observed) - 1)
+
+
+def homogeneity_p(a: list[int], b: list[int]) -> float:
+    """Two samples' counts over the same categories: the chi-square test that they share one distribution."""
+    na, nb = sum(a), sum(b)
+    x2 = 0.0
+    for oa, ob in zip(a, b, strict=True):
+        for observed, n in ((oa, na), (ob, nb)):
+            expected = n * (oa + ob) / (na + nb)
+            x2 += (observed - expected) ** 2 / expected
+    return chi2_sf(x2, len(a) - 1)

@@ -22,21 +22,11 @@ from controller.laws.epic import (
     tilted_mean,
     tilted_probabilities,
 )
+from loadtest.stats import chi_square_p
 
 
 def gumbel(rng: random.Random) -> float:
     return -math.log(-math.log(rng.random() or 1e-300))
-
-
-def chi_square_p(observed: list[int], probs: list[float]) -> float:
-    """Pearson's goodness-of-fit p-value: Q(df/2, X²/2), the regularised upper incomplete gamma."""
-    import torch
-
-    n = sum(observed)
-    x2 = sum((o - p * n) ** 2 / (p * n) for o, p in zip(observed, probs))
-    df = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(x2 / 2, dtype=torch.float64)))
 
 
 # --- the lazy argmax --------------------------------------------------------------------------------

@@ -79,6 +79,25 @@ def test_completion_non_stream_and_stream(client, served_model):
     assert entropy == pytest.approx(_entropic(out.choices[0])["entropy"], abs=1e-3)
 
 
+def test_epic_decoding_on_both_endpoints_stream_and_not(client, served_model):
+    """EPIC through the official client: a seeded request gives the same tokens streamed and not, with one
+    ``epic`` record per token (workers/epic.py; its exactness is tested in tests/test_epic_engine.py)."""
+    epic = {"entropic": {"decoding": "epic", "alpha": 0.5, "horizon": 2, "max_candidates": 4}}
+    chat = client.chat.completions.create(model=served_model, messages=FACT_PROMPT, max_tokens=5, temperature=1.0,
+                                          seed=3, extra_body=epic)
+    records = _entropic(chat.choices[0])["epic"]
+    assert len(records) == chat.usage.completion_tokens == len(_entropic(chat.choices[0])["entropy"])
+    assert all(r["candidates_evaluated"] <= 4 and r["exact"] for r in records)
+    assert sum(r["rollout_tokens"] for r in records) > 0
+    out = client.completions.create(model=served_model, prompt="The capital of France is", max_tokens=5,
+                                    temperature=1.0, seed=5, extra_body=epic)
+    chunks = list(client.completions.create(model=served_model, prompt="The capital of France is", max_tokens=5,
+                                            temperature=1.0, seed=5, stream=True, extra_body=epic))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    streamed = [r for c in chunks if c.choices for r in _entropic(c.choices[0]).get("epic", [])]
+    assert streamed == _entropic(out.choices[0])["epic"]
+
+
 def test_sse_wire_format(server, served_model):
     with httpx.stream("POST", f"{server}/v1/completions", timeout=120, json={
         "model": served_model, "prompt": "Hello", "max_tokens": 3, "stream": True}) as response:
@@ -214,6 +233,9 @@ BAD_REQUESTS = [
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"entropy_low": 4, "entropy_high": 1}}}, "entropic"),
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"blocks": 3}}}, "entropic.pruning.blocks"),
     ("chat", {"messages": FACT_PROMPT, "entropic": {"pruning": {"budget": "adaptive"}}}, "entropic.pruning.budget"),
+    ("chat", {"messages": FACT_PROMPT, "entropic": {"decoding": "beam"}}, "entropic.decoding"),
+    ("chat", {"messages": FACT_PROMPT, "temperature": 0, "entropic": {"decoding": "epic"}}, "temperature"),
+    ("chat", {"messages": FACT_PROMPT, "logprobs": True, "entropic": {"decoding": "epic"}}, "logprobs"),
     ("chat", {"messages": "not a list"}, "messages"),
     # vLLM fields this server does not honour: refused by name, never parsed and ignored
     ("chat", {"messages": FACT_PROMPT, "priority": 3}, "priority"),

@@ -6,9 +6,10 @@ import pytest
 from workers.tracking import PriorityBoard, SequenceTrack
 
 
-def delta(entropy, completion_tokens, tau=0.0, stop_prob=None):
+def delta(entropy, completion_tokens, tau=0.0, stop_prob=None, epic=None):
     return SimpleNamespace(entropy=entropy, temperature=[1.0] * len(entropy), completion_tokens=completion_tokens,
-                           entropic_time=tau, mean_entropy=0.0, token_ids=[0] * len(entropy), stop_prob=stop_prob)
+                           entropic_time=tau, mean_entropy=0.0, token_ids=[0] * len(entropy), stop_prob=stop_prob,
+                           epic=epic)
 
 
 def test_the_latest_stop_token_mass_reaches_the_summary():
@@ -30,6 +31,19 @@ def test_expected_drop_is_an_ewma_of_positive_drops_across_chunks():
     state = track.state(now=5.0, prior_drop=0.3, block_size=16)
     assert state.attended_tokens == 14 and state.kv_blocks == pytest.approx(14 / 16)
     assert state.waited_s == pytest.approx(3.0)
+
+
+def test_an_epic_requests_rollouts_multiply_its_compute_term():
+    from workers.engine import EpicStep
+
+    plain = SequenceTrack(arrival=0.0, last_progress=0.0, prompt_tokens=10, slo_s=30.0)
+    epic = SequenceTrack(arrival=0.0, last_progress=0.0, prompt_tokens=10, slo_s=30.0)
+    plain.observe(delta([1.0, 1.0], 2), now=1.0, drop_weight=0.5)
+    steps = [EpicStep(lookahead_entropy=2.0, candidates_evaluated=2, rollout_tokens=8, exact=True),
+             EpicStep(lookahead_entropy=None, candidates_evaluated=0, rollout_tokens=0, exact=True)]
+    epic.observe(delta([1.0, 1.0], 2, epic=steps), now=1.0, drop_weight=0.5)
+    # 10 engine tokens for 2 output tokens: five times the compute per token over the same context
+    assert epic.state(1.0, 0.3, 16).attended_tokens == 5 * plain.state(1.0, 0.3, 16).attended_tokens == 60
 
 
 def test_prior_before_the_first_drop():

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from controller.config import SchedulingConfig
 from kernels.hardware import resolve_dtype
-from workers.control_params import PruningControl, SamplingControl
+from workers.control_params import EpicControl, PruningControl, SamplingControl
 from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 CPU_PRUNING_BLOCK_SIZE = 64
@@ -98,6 +98,7 @@ class ReplicaConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampling: SamplingControl = Field(default_factory=SamplingControl)
     pruning: PruningControl = Field(default_factory=PruningControl)
+    epic: EpicControl = Field(default_factory=EpicControl)
     pruning_dense_layers: int = Field(0, ge=0, description="first layers that always attend densely (pruned requests too)")
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     telemetry: bool = Field(True, description="per-token entropy telemetry (our logits processor). False: the engine "
@@ -115,6 +116,7 @@ class ReplicaConfig(BaseModel):
             return self
         return self.model_copy(update={"sampling": self.sampling.model_copy(update={"enabled": False}),
                                        "pruning": self.pruning.model_copy(update={"enabled": False}),
+                                       "epic": self.epic.model_copy(update={"decoding": "sample"}),
                                        "scheduling": self.scheduling.model_copy(update={"enabled": False})})
 
     @property

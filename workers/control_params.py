@@ -155,3 +155,36 @@ class PruningControl(BaseModel):
         Below min_context_tokens a request never prunes, so it skips vLLM's logprobs work.
         """
         return self.enabled and self.info_weight > 0 and max_context_tokens >= self.min_context_tokens
+
+
+EPIC_FIELDS = ("decoding", "alpha", "horizon", "rollouts", "max_candidates", "rollout_budget")
+
+
+class EpicControl(BaseModel):
+    """Entropy-aligned decoding (EPIC; controller.laws.epic, workers.epic): each token is drawn from the
+    model's distribution over its ``max_candidates`` most likely tokens, tilted by exp(−α·H) of the
+    k-token continuation each leads to, by a lazy Gumbel-Max with lookahead rollouts through the same
+    engine. Its fields sit at the top of a request's ``entropic`` object."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    decoding: Literal["sample", "epic"] = Field("sample", description="epic: entropy-aligned decoding for this "
+                                                "request; sample: the engine's own sampling")
+    alpha: float | None = Field(None, ge=-10.0, le=10.0, description="tilt α (nats⁻¹); positive favours "
+                                "continuations of low entropy. None: the value fitted for the served model "
+                                "(make fit-epic-alpha), 0 where none was fitted")
+    horizon: int = Field(4, ge=1, le=16, description="k: lookahead tokens after each candidate")
+    rollouts: int = Field(1, ge=1, le=8, description="K: rollouts per evaluated candidate (Rao-Blackwellised)")
+    max_candidates: int = Field(8, ge=1, le=20, description="the support of a draw: the most likely tokens, as "
+                                "top-k sampling's (vLLM returns at most 20 logprobs)")
+    rollout_budget: int = Field(4096, ge=0, description="rollout tokens one request may spend; past it, its "
+                                "tokens are drawn untilted")
+
+    def merged(self, overrides: dict[str, Any] | None) -> EpicControl:
+        if not overrides:
+            return self
+        return EpicControl.model_validate({**self.model_dump(), **overrides})
+
+    @property
+    def enabled(self) -> bool:
+        return self.decoding == "epic"

@@ -28,7 +28,9 @@ from controller.laws.priority import priorities
 from controller.laws.routing import ReplicaLoad
 from controller.messages import ControllerAnswer, TelemetryReport
 from workers.config import ReplicaConfig
+from workers.control_params import EPIC_FIELDS
 from workers.engine import Delta, EngineRunner, configure_process_env
+from workers.epic import EpicDecoder
 from workers.errors import InvalidRequest
 from workers.metrics import ReplicaMetrics
 from workers.tracking import GrantBoard, PriorityBoard, SequenceTrack
@@ -52,7 +54,7 @@ class ReplicaCore:
         configure_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)
         import torch
 
-        from workers.model_store import resolve_model
+        from workers.model_store import fitted_epic_alpha, resolve_model
         from workers.pruning_state import STATE
 
         STATE.dense_layers = config.pruning_dense_layers
@@ -69,6 +71,8 @@ class ReplicaCore:
                                    logits_processors=logits_processors, telemetry=config.telemetry,
                                    on_abort=self.metrics.observe_ended_early)
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()
+        self.epic = EpicDecoder(self.runner)
+        self.epic_alpha = fitted_epic_alpha(resolve_model(config.model))
         self.block_size = self.runner.engine.vllm_config.cache_config.block_size
         self.board = PriorityBoard()
         self.grants = GrantBoard(self.scheduling.grant_policy()) if self.scheduling.grant_slots else None
@@ -113,11 +117,16 @@ class ReplicaCore:
                                  "entropic parameters", "entropic")
         overrides = dict(overrides or {})
         pruning_overrides = overrides.pop("pruning", None)
+        epic_overrides = {name: overrides.pop(name) for name in EPIC_FIELDS if name in overrides}
         try:
             control = self.config.sampling.merged(overrides)
             pruning = self.config.pruning.merged(pruning_overrides)
+            epic = self.config.epic.merged(epic_overrides)
         except ValueError as exc:
             raise InvalidRequest(f"invalid entropic parameters: {exc}", "entropic") from None
+        if epic.enabled:
+            _check_epic(kind, request)
+            control = control.model_copy(update={"enabled": False})  # the tilt is an EPIC request's control
         ids = prompt_token_ids(kind, request, self.runner.tokenizer, self.runner.max_model_len)
         if not ids:
             raise InvalidRequest("the prompt is empty", "messages" if kind == "chat" else "prompt")
@@ -126,14 +135,21 @@ class ReplicaCore:
         params = sampling_params(kind, request, len(ids), self.runner.max_model_len, self.generation_defaults,
                                  control, key, pruning)
         self.runner.validate(params)
+        if epic.enabled and params.temperature < 1e-5:
+            raise InvalidRequest("decoding epic samples: a temperature of 0 is greedy decoding", "temperature")
         now = time.monotonic()
         track = self._active[key] = SequenceTrack(now, now, len(ids), self.scheduling.slo_s, params.max_tokens)
         try:
             prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if request.cache_salt:  # a prefix cache of its own for those who share the salt, as in vLLM
                 prompt["cache_salt"] = request.cache_salt
-            async for delta in self.runner.generate(key, prompt, params, len(ids)):
+            stream = (self.epic.generate(key, ids, params, epic, self.epic_alpha if epic.alpha is None else epic.alpha,
+                                         request.cache_salt)
+                      if epic.enabled else self.runner.generate(key, prompt, params, len(ids)))
+            async for delta in stream:
                 track.observe(delta, time.monotonic(), self.scheduling.drop_ewma)
+                if delta.epic:
+                    self.metrics.observe_epic(delta.epic)
                 if delta.finish_reason in ("stop", "length"):  # how long it really was: the predictor's label
                     self._finished[key] = delta.completion_tokens
                 yield delta
@@ -222,7 +238,10 @@ class ReplicaCore:
         remote = answer.priorities if answer is not None else {}
         chosen = {k: (remote[k], "controller") if k in remote else (pi, "local") for k, pi in local.items()}
         self._priorities = chosen
-        self.board.publish({k: pi for k, (pi, _) in chosen.items()})
+        published = {k: pi for k, (pi, _) in chosen.items()}
+        for key, pi in list(published.items()):  # an EPIC request's engine requests run at its π
+            published.update(dict.fromkeys(self.epic.engine_keys(key), pi))
+        self.board.publish(published)
         if self.grants is not None:  # the controller's grant decision when it answered, else the local one
             self.grants.renew({k: pi for k, (pi, _) in chosen.items()},
                               list(answer.granted) if answer is not None and answer.granted is not None else None)
@@ -231,3 +250,17 @@ class ReplicaCore:
         self.metrics.observe_grants(self.grants.renewals if self.grants is not None else 0, scheduler.withheld_steps)
         self.metrics.observe_preemptions(scheduler.priority_preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.priority_preemptions
+
+
+def _check_epic(kind: str, request: Any) -> None:
+    """What an EPIC request cannot have: its tokens are chosen outside the engine's sampler, so the engine's
+    logprobs, grammars and beam search do not describe them (400 naming the field rather than ignoring it)."""
+    asked = {"logprobs": request.logprobs if kind == "completion" else request.logprobs or request.top_logprobs,
+             "prompt_logprobs": request.prompt_logprobs, "echo": getattr(request, "echo", False),
+             "response_format": request.response_format, "structured_outputs": request.structured_outputs,
+             "tools": getattr(request, "tools", None) if getattr(request, "tool_choice", None) not in (None, "none",
+                                                                                                    "auto") else None,
+             "min_tokens": request.min_tokens}
+    for field, value in asked.items():
+        if value:
+            raise InvalidRequest(f"{field} is not available with decoding epic", field)

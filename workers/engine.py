@@ -66,6 +66,18 @@ def configure_process_env(cpu_threads: int, kv_cache_space_gib: int) -> None:
 PositionLogprobs = tuple[tuple[int, float, "int | None", "str | None"], ...]
 
 
+@dataclass(frozen=True)
+class EpicStep:
+    """How one EPIC token was drawn (workers.epic): the lookahead entropy of the chosen token where it was
+    estimated, how many candidates' lookaheads were estimated, the rollout tokens spent on it, and whether
+    the draw was exact (false where the rollout budget or the vocabulary's tail cut the search short)."""
+
+    lookahead_entropy: float | None
+    candidates_evaluated: int
+    rollout_tokens: int
+    exact: bool
+
+
 @dataclass
 class Delta:
     """What one engine step produced for one request (picklable: crosses Serve handles)."""
@@ -87,6 +99,7 @@ class Delta:
     # The prompt's, when the params asked for prompt_logprobs (the first position has none); arrives once
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_token_ids: list[int] | None = None  # the prompt as the engine saw it, on the request's first delta
+    epic: list[EpicStep] | None = None  # one per new token of an entropy-aligned (EPIC) request
 
 
 @dataclass

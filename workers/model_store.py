@@ -104,6 +104,17 @@ def resolve_model(model: str) -> Path:
     return path.resolve()
 
 
+EPIC_FIT_FILE = "entropic-epic.json"  # beside the model's weights: the α fitted for it (make fit-epic-alpha)
+
+
+def fitted_epic_alpha(model_dir: Path) -> float:
+    """The EPIC tilt fitted for this model, or 0 (no tilt: plain sampling) where none was fitted."""
+    path = model_dir / EPIC_FIT_FILE
+    if not path.is_file():
+        return 0.0
+    return float(json.loads(path.read_text())["alpha"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)

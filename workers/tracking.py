@@ -25,8 +25,11 @@ class SequenceTrack:
     tau: float = 0.0
     mean_entropy: float = 0.0
     stop_prob: float | None = None
+    forward_tokens: int = 0  # EPIC: engine tokens spent on its output (1 per token plus its rollouts)
 
     def observe(self, delta, now: float, drop_weight: float) -> None:
+        for step in delta.epic or ():
+            self.forward_tokens += 1 + step.rollout_tokens
         for drop in positive_drops(delta.entropy, self.last_entropy)[(0 if self.last_entropy is not None else 1):]:
             self.expected_drop = ewma(self.expected_drop, drop, drop_weight)
         if delta.entropy:
@@ -47,9 +50,11 @@ class SequenceTrack:
     def state(self, now: float, prior_drop: float, block_size: int, entropy_terms: bool = True) -> SequenceState:
         """π's inputs now; without ``entropy_terms`` the expected entropy drop is the prior for everyone."""
         context = self.prompt_tokens + self.generated
+        # C_s prices one output token's compute: an EPIC request's rollouts multiply it
+        per_token = self.forward_tokens / self.generated if self.forward_tokens and self.generated else 1.0
         return SequenceState(
             expected_drop=self.expected_drop if self.expected_drop is not None and entropy_terms else prior_drop,
-            attended_tokens=float(context), kv_blocks=context / block_size,
+            attended_tokens=float(context) * per_token, kv_blocks=context / block_size,
             waited_s=max(0.0, now - self.last_progress), slo_s=self.slo_s,
             remaining_tokens=self.remaining_tokens())
 

@@ -96,43 +96,68 @@ class LazyArgmax:
     exact: bool = True  # false: max_evaluations stopped the search before the bounds settled it
 
 
+class LazySearch:
+    """The lazy argmax as a state machine, so that evaluations can be awaited (rollouts through an
+    engine): ``pending()`` names the next candidates to evaluate (best case first) or None when the
+    answer is settled; ``record`` takes their entropies; ``result`` is the answer so far.
+
+    argmax_i perturbed_i − α·H_i, with lower_i ≤ H_i ≤ upper_i required of the recorded estimates. With
+    ``max_evaluations``, the search stops there and returns the best evaluated candidate, flagged inexact
+    if an unevaluated one could still have won."""
+
+    def __init__(self, perturbed: Sequence[float], lower: Sequence[float], upper: Sequence[float], alpha: float,
+                 batch: int = 1, max_evaluations: int | None = None) -> None:
+        n = len(perturbed)
+        if n == 0 or len(lower) != n or len(upper) != n:
+            raise ValueError("need one perturbed score and one bound pair per candidate")
+        if batch < 1 or (max_evaluations is not None and max_evaluations < 1):
+            raise ValueError("batch and max_evaluations must be >= 1")
+        self._perturbed, self._alpha, self._batch = list(perturbed), alpha, batch
+        self._position = 0
+        if alpha == 0.0:  # the tilt vanishes: plain Gumbel-Max
+            best = max(range(n), key=lambda i: perturbed[i])
+            self._alive: list[int] = []
+            self._hi: list[float] = []
+            self.result = LazyArgmax(best, perturbed[best], [], 1)
+            self.contenders = frozenset({best})
+            self._budget = 0
+            return
+        bounds = [score_bounds(perturbed[i], lower[i], upper[i], alpha) for i in range(n)]
+        floor = max(lo for lo, _ in bounds)
+        self._alive = sorted((i for i in range(n) if bounds[i][1] >= floor), key=lambda i: -bounds[i][1])
+        self._hi = [bounds[i][1] for i in range(n)]
+        self.contenders = frozenset(self._alive)  # those the bounds alone could not rule out
+        self.result = LazyArgmax(self._alive[0], -math.inf, [], len(self._alive))
+        if len(self._alive) == 1:
+            self.result.score = bounds[self._alive[0]][0]
+            self._alive = []
+        self._budget = len(self._alive) if max_evaluations is None else max_evaluations
+
+    def pending(self) -> list[int] | None:
+        if self._position >= len(self._alive) or self.result.score >= self._hi[self._alive[self._position]]:
+            return None  # nothing left unevaluated can beat what has been seen
+        if self._position >= self._budget:
+            self.result.exact = False
+            return None
+        return self._alive[self._position:min(self._position + self._batch, self._budget)]
+
+    def record(self, ids: Sequence[int], entropies: Sequence[float]) -> None:
+        for i, h in zip(ids, entropies, strict=True):
+            self.result.evaluated.append(i)
+            s = self._perturbed[i] - self._alpha * h
+            if s > self.result.score:
+                self.result.index, self.result.score = i, s
+        self._position += len(ids)
+
+
 def lazy_argmax(perturbed: Sequence[float], lower: Sequence[float], upper: Sequence[float], alpha: float,
                 evaluate: Callable[[list[int]], list[float]], batch: int = 1,
                 max_evaluations: int | None = None) -> LazyArgmax:
-    """argmax_i perturbed_i − α·H_i, estimating H_i (``evaluate``: candidates -> their H) only where the
-    bounds cannot settle it. ``batch`` candidates are evaluated per call (one batched rollout), best case
-    first. Requires lower_i ≤ H_i ≤ upper_i for the estimates ``evaluate`` returns. With
-    ``max_evaluations``, the search stops there and returns the best evaluated candidate, flagged inexact
-    if an unevaluated one could still have won."""
-    n = len(perturbed)
-    if n == 0 or len(lower) != n or len(upper) != n:
-        raise ValueError("need one perturbed score and one bound pair per candidate")
-    if batch < 1 or (max_evaluations is not None and max_evaluations < 1):
-        raise ValueError("batch and max_evaluations must be >= 1")
-    if alpha == 0.0:  # the tilt vanishes: plain Gumbel-Max
-        best = max(range(n), key=lambda i: perturbed[i])
-        return LazyArgmax(best, perturbed[best], [], 1)
-    bounds = [score_bounds(perturbed[i], lower[i], upper[i], alpha) for i in range(n)]
-    floor = max(lo for lo, _ in bounds)
-    alive = sorted((i for i in range(n) if bounds[i][1] >= floor), key=lambda i: -bounds[i][1])
-    result = LazyArgmax(alive[0], -math.inf, [], len(alive))
-    if len(alive) == 1:
-        result.score = bounds[alive[0]][0]
-        return result
-    budget = len(alive) if max_evaluations is None else max_evaluations
-    position = 0
-    while position < len(alive) and result.score < bounds[alive[position]][1]:
-        if position >= budget:
-            result.exact = False
-            break
-        chunk = alive[position:min(position + batch, budget)]
-        position += len(chunk)
-        for i, h in zip(chunk, evaluate(chunk), strict=True):
-            result.evaluated.append(i)
-            s = perturbed[i] - alpha * h
-            if s > result.score:
-                result.index, result.score = i, s
-    return result
+    """``LazySearch`` driven to its end with a synchronous ``evaluate`` (candidates -> their H)."""
+    search = LazySearch(perturbed, lower, upper, alpha, batch, max_evaluations)
+    while (ids := search.pending()) is not None:
+        search.record(ids, evaluate(ids))
+    return search.result
 
 
 def expected_contenders(probs: Sequence[float], width: float) -> float:

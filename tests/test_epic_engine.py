@@ -1,0 +1,118 @@
+"""EPIC through the replica core (workers.epic): the real engine, the default model.
+
+At α = 0 an EPIC draw is the model's own next-token distribution over its ``max_candidates`` most likely
+tokens (top-k sampling): checked against the distribution the engine reports for the prefix (chi-square). At α ≠ 0 tokens
+come with their lookahead telemetry, candidates are evaluated lazily (fewer than all of them), and a
+seeded request is reproducible.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from loadtest.stats import chi_square_p, homogeneity_p
+from workers.config import EngineConfig, ReplicaConfig
+
+PROMPT = "My favourite animal is the"
+
+
+@pytest.fixture(scope="module")
+def core(model_dir):
+    from prometheus_client import CollectorRegistry
+
+    from workers.core import ReplicaCore
+    from workers.pruning_state import STATE
+
+    config = ReplicaConfig(engine=EngineConfig(max_model_len=2048, max_num_seqs=16, kv_cache_space_gib=1,
+                                               enforce_eager=True))
+    core = ReplicaCore(config, replica_id="epic", metrics_registry=CollectorRegistry())
+    yield core
+    core.shutdown()
+    STATE.attach_rows({})  # one engine per process: detach before another module starts its own
+
+
+def _run(core, bodies, concurrency=16):
+    from deployments.protocol import EntropicCompletionRequest
+
+    async def one(body):
+        overrides = body.pop("entropic", None)
+        return [d async for d in core.generate("completion", EntropicCompletionRequest(**body), overrides)]
+
+    async def all_of():
+        core.start()
+        out = []
+        for i in range(0, len(bodies), concurrency):
+            out += await asyncio.gather(*(one(dict(b)) for b in bodies[i:i + concurrency]))
+        return out
+
+    return asyncio.run(all_of())
+
+
+def test_alpha_zero_draws_the_models_own_next_token(core):
+    [reference] = _run(core, [{"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "logprobs": 8}])
+    top = {tid: lp for tid, lp, rank, _ in reference[0].logprobs[0] if rank is not None and rank <= 4}
+    ids = sorted(top, key=lambda t: -top[t])
+    mass = sum(math.exp(top[t]) for t in ids)
+    probs = [math.exp(top[t]) / mass for t in ids]  # q over its 4 most likely tokens
+    n = 600
+    runs = _run(core, [{"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "seed": i,
+                        "entropic": {"decoding": "epic", "alpha": 0.0, "max_candidates": 4}} for i in range(n)])
+    plain = _run(core, [{"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "top_k": 4, "seed": n + i}
+                        for i in range(n)])
+    drawn = [r[0].token_ids[0] for r in runs]
+    assert set(drawn) <= set(ids)
+    observed = [sum(1 for t in drawn if t == i) for i in ids]
+    sampled = [sum(1 for r in plain if r[0].token_ids[0] == i) for i in ids]
+    p, p_plain = chi_square_p(observed, probs), homogeneity_p(observed, sampled)
+    print(f"alpha 0: epic {observed}, top-4 sampling {sampled}, expected {[round(x * n, 1) for x in probs]}; "
+          f"p {p:.3f} against q, {p_plain:.3f} against sampling")
+    # seeded draws: the verdict is fixed for a machine; 1e-3 is the chance of a false alarm on a new one
+    assert p > 1e-3 and p_plain > 1e-3
+    steps = [r[0].epic[0] for r in runs]
+    assert all(s.candidates_evaluated == 0 and s.rollout_tokens == 0 and s.exact for s in steps)
+
+
+def test_epic_tilts_lazily_with_telemetry_and_a_seed_reproduces_it(core):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11,
+            "entropic": {"decoding": "epic", "alpha": 0.5, "horizon": 3, "max_candidates": 6}}
+    published: list[dict] = []
+    publish = core.board.publish
+    core.board.publish = lambda priorities: (published.append(dict(priorities)), publish(priorities))[1]
+    try:
+        first, again = _run(core, [body, body], concurrency=1)
+    finally:
+        core.board.publish = publish
+    # the control loop ran while they did: their engine requests were ordered by their π
+    children = [(p, k, pi) for p in published for k, pi in p.items() if "-epic-" in k]
+    assert children, "no EPIC engine request was given a priority"
+    assert all(pi == p[k.split("-epic-")[0]] for p, k, pi in children)
+    tokens = [t for d in first for t in d.token_ids]
+    assert tokens == [t for d in again for t in d.token_ids]
+    assert first[-1].finished and first[-1].finish_reason in ("stop", "length")
+    steps = [s for d in first for s in d.epic]
+    print("epic steps:", steps)
+    assert len(steps) == len(tokens) and all(len(d.entropy) == 1 for d in first)
+    assert sum(s.candidates_evaluated for s in steps) > 0
+    assert all(s.candidates_evaluated <= 6 and s.exact for s in steps)
+    assert sum(s.rollout_tokens for s in steps) <= 3 * sum(s.candidates_evaluated for s in steps)
+    evaluated = [s for s in steps if s.lookahead_entropy is not None]
+    assert all(0.0 <= s.lookahead_entropy <= 3 * math.log(len(core.runner.tokenizer)) for s in evaluated)
+    registry = core.metrics.registry
+    assert registry.get_sample_value("entropic_epic_tokens_total", {"model_name": core.config.model_name,
+                                                                    "exact": "true"}) >= 2 * len(tokens)
+    assert registry.get_sample_value("entropic_epic_rollout_tokens_total", {"model_name": core.config.model_name}) \
+        >= 2 * sum(s.rollout_tokens for s in steps)
+
+
+def test_epic_refuses_what_it_cannot_honour(core):
+    from workers.errors import InvalidRequest
+
+    for body, field in (({"temperature": 0.0}, "temperature"), ({"logprobs": 2}, "logprobs"),
+                        ({"entropic": {"decoding": "epic", "horizon": 0}}, "entropic")):
+        request = {"prompt": PROMPT, "max_tokens": 2, "temperature": 1.0,
+                   "entropic": {"decoding": "epic"}, **body}
+        with pytest.raises(InvalidRequest) as caught:
+            _run(core, [request])
+        assert caught.value.param == field

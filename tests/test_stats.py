@@ -1,0 +1,21 @@
+"""The benchmarks' and tests' shared statistics (loadtest/stats.py) against references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loadtest.stats import chi2_sf, chi_square_p, homogeneity_p
+
+
+@pytest.mark.parametrize("x2,df", [(0.01, 4), (0.5, 1), (3.5, 3), (10.0, 3), (2.0, 6), (30.0, 10), (100.0, 20)])
+def test_chi_square_tail_matches_torchs_incomplete_gamma(x2, df):
+    reference = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x2 / 2, dtype=torch.float64))
+    assert chi2_sf(x2, df) == pytest.approx(float(reference), rel=1e-9, abs=1e-15)
+
+
+def test_goodness_of_fit_and_homogeneity_on_known_counts():
+    assert chi_square_p([50, 50], [0.5, 0.5]) == pytest.approx(1.0)
+    assert chi_square_p([90, 10], [0.5, 0.5]) < 1e-10  # X² = 64, df 1
+    assert homogeneity_p([30, 70], [30, 70]) == pytest.approx(1.0)
+    # X² of the 2x2 table [[60, 40], [40, 60]] is 8, df 1
+    assert homogeneity_p([60, 40], [40, 60]) == pytest.approx(chi2_sf(8.0, 1))

@@ -1,0 +1,214 @@
+"""Entropy-aligned decoding (EPIC) over the replica's own engine: one request, many engine requests.
+
+vLLM runs beam search over its engine the same way: each step of the user's request is one or more
+ordinary engine requests on the growing prefix, so they share the batch, the prefix cache, π scheduling,
+pruning and telemetry with everything else the replica serves. Per output token:
+
+1. The next-token distribution q(· | prefix) over its ``max_candidates`` most likely tokens, from a
+   one-token request with logprobs (or, when the previous token's lookahead was rolled out, from that
+   rollout's first position: the same distribution, already paid for).
+2. Gumbel-Max over them: z_i = log q_i + G_i.
+3. ``controller.laws.epic.LazySearch`` picks argmax z_i − α·Ĥ_i, asking for the lookahead entropy of as
+   few candidates as the bounds [0, k·log V] allow, best case first, a few at a time: each is K
+   rollouts of k tokens from prefix + candidate (sampled as the request asks, stopping at EOS), whose
+   per-step entropies (the telemetry our logits processor records) give the Rao-Blackwellised Ĥ.
+
+The support is the ``max_candidates`` most likely tokens, as top-k sampling's is (the paper's
+implementation draws among the finite scores its top-k warper leaves): so α = 0 is top-k sampling with
+k = max_candidates, and a draw is exact, given the estimated entropies, on that support. A token is
+reported inexact (``EpicStep.exact``) where the request's rollout budget cut its search short or was
+already spent (then it is drawn untilted).
+
+q is the distribution the engine returns logprobs of: the request's temperature, top-k/top-p applied
+(``engine.logprobs_mode: processed_logprobs``, the default). The temperature law does not run for EPIC
+requests: the tilt is their control.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from controller.laws.entropic_time import EntropyTrace
+from controller.laws.epic import LazySearch, entropy_bounds, rao_blackwell_lookahead
+from workers.control_params import EXTRA_ARGS_KEY, EntropicArgs, EpicControl
+from workers.engine import Delta, EngineRunner, EpicStep
+
+# Candidates whose lookaheads are estimated together (one round of rollouts): more cuts the rounds a
+# contested token waits for, fewer spends fewer rollouts on candidates the first round already settles.
+_BATCH = 4
+
+
+@dataclass
+class _Next:
+    """q(· | prefix): its most likely tokens and their logprobs, in rank order, and its entropy."""
+
+    ids: list[int]
+    logprobs: list[float]
+    entropy: float | None
+
+
+@dataclass
+class _Lookahead:
+    entropy: float
+    tokens: int
+    following: _Next | None  # q after prefix + the candidate, read off the first rollout
+
+
+class EpicDecoder:
+    def __init__(self, runner: EngineRunner) -> None:
+        self.runner = runner
+        self.vocab = len(runner.tokenizer)
+        self._ids = itertools.count()
+        self._requests: dict[str, _Request] = {}
+
+    def engine_keys(self, key: str) -> list[str]:
+        """The engine requests EPIC request ``key`` has in flight (the scheduler orders them by its π)."""
+        request = self._requests.get(key)
+        return list(request.live) if request is not None else []
+
+    async def generate(self, key: str, prompt_ids: list[int], params: Any, control: EpicControl,
+                       alpha: float, cache_salt: str | None = None) -> AsyncIterator[Delta]:
+        """The EPIC request ``key``: ``params`` are its SamplingParams as built for plain sampling
+        (max_tokens, temperature, stop, seed...), its EntropicArgs with the temperature law off."""
+        request = self._requests[key] = _Request(self, key, params, control, alpha, cache_salt)
+        try:
+            async for delta in request.run(prompt_ids):
+                yield delta
+        finally:
+            self._requests.pop(key, None)
+
+
+class _Request:
+    """One EPIC request's state: its engine requests are named after it and seeded from its seed."""
+
+    def __init__(self, decoder: EpicDecoder, key: str, params: Any, control: EpicControl, alpha: float,
+                 salt: str | None) -> None:
+        args = EntropicArgs.of(params)
+        assert args is not None  # built by workers.prompts
+        self.decoder, self.key, self.params, self.args = decoder, key, params, args
+        self.control, self.alpha, self.salt = control, alpha, salt
+        self.rng = random.Random(params.seed) if params.seed is not None else random.Random()
+        self.tokenizer = decoder.runner.tokenizer
+        self.live: set[str] = set()
+
+    async def run(self, prompt_ids: list[int]) -> AsyncIterator[Delta]:
+        params, control = self.params, self.control
+        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
+        stops = {t for t in (eos, *(params.stop_token_ids or [])) if t is not None}
+        prefix = list(prompt_ids)
+        out: list[int] = []
+        text_sent, trace, spent = "", EntropyTrace(), 0
+        following: _Next | None = None
+        while True:
+            nxt = following or await self._next(prefix)
+            if not nxt.ids:  # every logprob was -inf: nothing can be drawn
+                raise RuntimeError("the engine returned no finite logprob for the next token")
+            token, step, following = await self._draw(prefix, nxt, control.rollout_budget - spent)
+            spent += step.rollout_tokens
+            prefix.append(token)
+            out.append(token)
+            if nxt.entropy is not None:
+                trace.add(nxt.entropy)
+            finish = "stop" if token in stops else ("length" if len(out) >= params.max_tokens else None)
+            text = self.tokenizer.decode(out, skip_special_tokens=params.skip_special_tokens)
+            cut = _stop_string(text, params.stop or [], params.include_stop_str_in_output)
+            if cut is not None:
+                text, finish = cut, "stop"
+            held = finish is None and text.endswith("\ufffd")  # half a character: wait for the rest
+            new_text = "" if held else text[len(text_sent):]
+            if not held:
+                text_sent = text
+            yield Delta(token_ids=[token], text=new_text, entropy=[] if nxt.entropy is None else [nxt.entropy],
+                        temperature=[float(params.temperature)], finished=finish is not None, finish_reason=finish,
+                        prompt_tokens=len(prompt_ids), completion_tokens=len(out), entropic_time=trace.tau,
+                        mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[step],
+                        prompt_token_ids=list(prompt_ids) if len(out) == 1 else None)
+            if finish is not None:
+                return
+
+    # --- one token ------------------------------------------------------------------------------
+    async def _draw(self, prefix: list[int], nxt: _Next, budget: int) -> tuple[int, EpicStep, _Next | None]:
+        control, rng = self.control, self.rng
+        perturbed = [lp + _gumbel(rng) for lp in nxt.logprobs]  # log-probabilities up to one constant: argmax-safe
+        per_candidate = control.horizon * control.rollouts
+        tilt = self.alpha if budget >= per_candidate else 0.0  # a spent budget draws untilted (and says so)
+        lower, upper = entropy_bounds(control.horizon, self.decoder.vocab)
+        search = LazySearch(perturbed, [lower] * len(perturbed), [upper] * len(perturbed), tilt, batch=_BATCH,
+                            max_evaluations=budget // per_candidate if tilt else None)
+        looked: dict[int, _Lookahead] = {}
+        while (pending := search.pending()) is not None:
+            results = await asyncio.gather(*(self._lookahead(prefix + [nxt.ids[i]]) for i in pending))
+            looked.update(zip(pending, results))
+            search.record(pending, [r.entropy for r in results])
+        winner = search.result.index
+        chosen = looked.get(winner)
+        step = EpicStep(lookahead_entropy=chosen.entropy if chosen is not None else None,
+                        candidates_evaluated=len(search.result.evaluated),
+                        rollout_tokens=sum(r.tokens for r in looked.values()),
+                        exact=search.result.exact and tilt == self.alpha)
+        return nxt.ids[winner], step, chosen.following if chosen is not None else None
+
+    # --- engine requests ------------------------------------------------------------------------
+    def _params(self, max_tokens: int, logprobs: int) -> tuple[str, Any]:
+        sub = f"{self.key}-epic-{next(self.decoder._ids)}"
+        p = self.params.clone()
+        p.n, p.max_tokens, p.min_tokens, p.logprobs = 1, max_tokens, 0, logprobs
+        p.prompt_logprobs, p.stop, p.include_stop_str_in_output = None, [], False
+        p.seed = self.rng.getrandbits(31)
+        p.detokenize = False
+        p.extra_args = {**(p.extra_args or {}),
+                        EXTRA_ARGS_KEY: dataclasses.asdict(dataclasses.replace(self.args, key=sub, control=False))}
+        return sub, p
+
+    async def _run(self, ids: list[int], sub: str, params: Any) -> list[Delta]:
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if self.salt:
+            prompt["cache_salt"] = self.salt
+        self.live.add(sub)
+        try:
+            return [d async for d in self.decoder.runner.generate(sub, prompt, params, len(ids))]
+        finally:
+            self.live.discard(sub)
+
+    async def _next(self, prefix: list[int]) -> _Next:
+        deltas = await self._run(prefix, *self._params(1, self.control.max_candidates))
+        return _first_position(deltas, self.control.max_candidates)
+
+    async def _lookahead(self, ids: list[int]) -> _Lookahead:
+        control = self.control
+        runs = await asyncio.gather(*(self._run(ids, *self._params(control.horizon, control.max_candidates))
+                                      for _ in range(control.rollouts)))
+        entropies = [[h for d in deltas for h in d.entropy] for deltas in runs]
+        return _Lookahead(entropy=rao_blackwell_lookahead(entropies),
+                          tokens=sum(len(d.token_ids) for deltas in runs for d in deltas),
+                          following=_first_position(runs[0], control.max_candidates))
+
+
+def _first_position(deltas: list[Delta], top: int) -> _Next:
+    """The distribution of the first generated position: vLLM lists the sampled token first, then the top
+    tokens by rank (the sampled one once, if it is among them)."""
+    first = next(d for d in deltas if d.token_ids)
+    assert first.logprobs, "the engine returned no logprobs for the position"
+    ranked = sorted({tid: (rank, lp) for tid, lp, rank, _ in first.logprobs[0]
+                     if rank is not None and rank <= top and math.isfinite(lp)}.items(), key=lambda kv: kv[1][0])
+    return _Next(ids=[tid for tid, _ in ranked], logprobs=[lp for _, (_, lp) in ranked],
+                 entropy=first.entropy[0] if first.entropy else None)
+
+
+def _gumbel(rng: random.Random) -> float:
+    return -math.log(-math.log(rng.random() or 5e-324))
+
+
+def _stop_string(text: str, stops: list[str], include: bool) -> str | None:
+    """The text cut at the first stop string it contains (kept with ``include_stop_str_in_output``)."""
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    if not hits:
+        return None
+    at, s = min(hits)
+    return text[: at + len(s)] if include else text[:at]
