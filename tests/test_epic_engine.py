@@ -116,3 +116,29 @@ def test_epic_refuses_what_it_cannot_honour(core):
         with pytest.raises(InvalidRequest) as caught:
             _run(core, [request])
         assert caught.value.param == field
+
+
+def test_fit_epic_alpha_runs_end_to_end_on_a_tiny_configuration(model_dir, tmp_path):
+    """The fitting tool as `make fit-epic-alpha` runs it (its own engine, in a process of its own)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "fit"
+    subprocess.run([sys.executable, "-m", "loadtest.fit_epic_alpha", "--passages", "2", "--positions", "3",
+                    "--context", "16", "--eager", "--no-store", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
+    result = json.loads((out.parent / "fit.json").read_text())
+    assert result["positions"] == 6 and math.isfinite(result["alpha"])
+    assert result["fit"]["reference_mean"] >= 0 and result["fit"]["model_mean"] >= 0
+    assert set(result["held_out"]) == {"alpha_fitted_on_even_passages", "error_at_0", "error_at_fit", "data_mean"}
+    assert "EPIC: α fitted on held-out text" in (out.parent / "fit.md").read_text()
+
+
+def test_the_replica_reads_the_alpha_fitted_beside_the_model(tmp_path):
+    from workers.model_store import EPIC_FIT_FILE, fitted_epic_alpha
+
+    assert fitted_epic_alpha(tmp_path) == 0.0  # none fitted: no tilt
+    (tmp_path / EPIC_FIT_FILE).write_text('{"alpha": 0.25, "horizon": 4}')
+    assert fitted_epic_alpha(tmp_path) == 0.25

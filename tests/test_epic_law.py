@@ -12,11 +12,14 @@ from hypothesis import strategies as st
 
 from controller.laws.epic import (
     EpicParams,
+    Position,
     entropy_bounds,
     expected_contenders,
     fit_alpha,
+    fit_alpha_positions,
     lazy_argmax,
     monte_carlo_lookahead,
+    position_mean,
     rao_blackwell_lookahead,
     score_bounds,
     tilted_mean,
@@ -209,6 +212,24 @@ def test_fit_alpha_recovers_the_tilt_that_made_the_reference():
     beyond = fit_alpha([0.01], samples, lo=-2, hi=2)  # a mean no tilt in range reaches
     assert beyond.clipped and beyond.alpha == 2
     assert fit_alpha([3.0], [3.0, 3.0]).alpha == 0.0
+
+
+def test_the_position_fit_recovers_the_tilt_whose_expectations_made_the_text():
+    rng = random.Random(9)
+    positions = []
+    for _ in range(50):
+        logits = [rng.gauss(0, 2) for _ in range(6)]
+        top = max(logits)
+        norm = top + math.log(sum(math.exp(x - top) for x in logits))
+        positions.append(Position(0.0, [x - norm for x in logits], [rng.uniform(0, 12) for _ in range(6)]))
+    for true_alpha in (-0.2, 0.0, 0.35):
+        made = [Position(position_mean(p, true_alpha), p.logprobs, p.lookaheads) for p in positions]
+        fit = fit_alpha_positions(made, lo=-2, hi=2)
+        assert fit.alpha == pytest.approx(true_alpha, abs=1e-5) and not fit.clipped
+        assert fit.fitted_mean == pytest.approx(fit.reference_mean, abs=1e-4)
+    assert fit_alpha_positions([Position(20.0, [0.0], [3.0])], lo=-2, hi=2).clipped  # one candidate: no tilt moves it
+    lows = [Position(0.0, p.logprobs, p.lookaheads) for p in positions]  # below every candidate: the upper end
+    assert fit_alpha_positions(lows, lo=-2, hi=2).clipped
 
 
 # --- on the default model ---------------------------------------------------------------------------

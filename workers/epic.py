@@ -84,6 +84,17 @@ class EpicDecoder:
             self._requests.pop(key, None)
 
 
+    async def survey(self, key: str, prefix: list[int], params: Any, control: EpicControl,
+                     also: tuple[int, ...] = ()) -> tuple[list[int], list[float], dict[int, float]]:
+        """q's candidates at the end of ``prefix`` (ids, log-probabilities) and the lookahead entropy of each
+        and of ``also``, estimated exactly as a draw estimates them (fitting α: make fit-epic-alpha)."""
+        request = _Request(self, key, params, control, 0.0, None)
+        nxt = await request._next(prefix)
+        tokens = list(dict.fromkeys([*nxt.ids, *also]))
+        looks = await asyncio.gather(*(request._lookahead(prefix + [t]) for t in tokens))
+        return nxt.ids, nxt.logprobs, {t: look.entropy for t, look in zip(tokens, looks)}
+
+
 class _Request:
     """One EPIC request's state: its engine requests are named after it and seeded from its seed."""
 

@@ -208,43 +208,78 @@ class AlphaFit:
     reference_mean: float  # μ_p
     model_mean: float  # μ_0: the untilted model's mean statistic
     fitted_mean: float  # μ_α at the fitted α
-    effective_samples: float
+    effective_samples: float  # of the importance weights (sequence fit); the positions (position fit)
     iterations: int
     clipped: bool  # the root lies outside [lo, hi]; alpha is the nearer end
 
 
+def _root(g: Callable[[float], float], lo: float, hi: float, tol: float, max_iter: int) -> tuple[float, int, bool]:
+    """The root of a nondecreasing g in [lo, hi] by bisection: (α, iterations, clipped)."""
+    if not lo < hi:
+        raise ValueError("need lo < hi")
+    g_lo, g_hi = g(lo), g(hi)
+    if g_lo == 0.0 == g_hi:  # g cannot tell α apart (no spread): no tilt
+        return 0.0, 0, False
+    if g_lo >= 0:
+        return lo, 0, g_lo > 0
+    if g_hi <= 0:
+        return hi, 0, g_hi < 0
+    a, b, iterations = lo, hi, 0
+    while b - a > tol and iterations < max_iter:
+        mid = 0.5 * (a + b)
+        if g(mid) < 0:
+            a = mid
+        else:
+            b = mid
+        iterations += 1
+    return 0.5 * (a + b), iterations, False
+
+
 def fit_alpha(reference: Sequence[float], samples: Sequence[float], lo: float = -5.0, hi: float = 5.0,
               tol: float = 1e-6, max_iter: int = 200) -> AlphaFit:
-    """α* with μ_α = μ_p, by bisection on g(α) = μ_p − μ_α (nondecreasing in α).
+    """α* with μ_α = μ_p, by bisection on g(α) = μ_p − μ_α (nondecreasing in α), sequence-level as the
+    paper's Appendix B.1 writes it.
 
     ``reference``: the entropy statistic of held-out text (μ_p is its mean); ``samples``: the same
     statistic of the model's own samples (q), which the importance weights tilt."""
     if not reference or not samples:
         raise ValueError("need reference and model samples")
-    if not lo < hi:
-        raise ValueError("need lo < hi")
     mu_p = sum(reference) / len(reference)
-
-    def g(a: float) -> float:
-        return mu_p - tilted_mean(samples, a)
-
-    iterations, clipped = 0, False
-    if g(lo) == 0.0 == g(hi):  # the samples cannot tell α apart (no spread): no tilt
-        alpha = 0.0
-    elif g(lo) >= 0:
-        alpha, clipped = lo, g(lo) > 0
-    elif g(hi) <= 0:
-        alpha, clipped = hi, g(hi) < 0
-    else:
-        a, b = lo, hi
-        while b - a > tol and iterations < max_iter:
-            mid = 0.5 * (a + b)
-            if g(mid) < 0:
-                a = mid
-            else:
-                b = mid
-            iterations += 1
-        alpha = 0.5 * (a + b)
+    alpha, iterations, clipped = _root(lambda a: mu_p - tilted_mean(samples, a), lo, hi, tol, max_iter)
     return AlphaFit(alpha=alpha, reference_mean=mu_p, model_mean=tilted_mean(samples, 0.0),
                     fitted_mean=tilted_mean(samples, alpha), effective_samples=effective_sample_size(samples, alpha),
                     iterations=iterations, clipped=clipped)
+
+
+@dataclass(frozen=True)
+class Position:
+    """One position t of held-out text: the lookahead entropy H_{t:t+k} of the token the text has there,
+    and q's candidates at t (log-probabilities over the support, lookahead entropy of each)."""
+
+    data_lookahead: float
+    logprobs: Sequence[float]
+    lookaheads: Sequence[float]
+
+
+def position_mean(position: Position, alpha: float) -> float:
+    """E_{y ~ q_α}[H_{t:t+k}(y)] at one position: exact over its candidates, no importance weights."""
+    weights = tilted_probabilities(position.logprobs, position.lookaheads, alpha)
+    return sum(w * h for w, h in zip(weights, position.lookaheads))
+
+
+def fit_alpha_positions(positions: Sequence[Position], lo: float = -5.0, hi: float = 5.0, tol: float = 1e-6,
+                        max_iter: int = 200) -> AlphaFit:
+    """α* of Lemma 3.2 token by token: prefixes from held-out text (p), the next token from q_α, so
+    μ_α = mean_t E_{q_α}[H_{t:t+k}] against μ_p = mean_t H_{t:t+k}(y_t of the text). Each position's
+    expectation is a finite sum over its candidates, so μ_α is exact for the estimated entropies and
+    nonincreasing in α (its derivative is minus a mean of variances)."""
+    if not positions:
+        raise ValueError("need positions")
+    mu_p = sum(p.data_lookahead for p in positions) / len(positions)
+
+    def mu(a: float) -> float:
+        return sum(position_mean(p, a) for p in positions) / len(positions)
+
+    alpha, iterations, clipped = _root(lambda a: mu_p - mu(a), lo, hi, tol, max_iter)
+    return AlphaFit(alpha=alpha, reference_mean=mu_p, model_mean=mu(0.0), fitted_mean=mu(alpha),
+                    effective_samples=float(len(positions)), iterations=iterations, clipped=clipped)
