@@ -1,6 +1,8 @@
 """Typed configuration of entropy-aware scheduling (paper §3.1), shared by the controller and replicas."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from controller.laws.grants import GrantPolicy
@@ -28,6 +30,9 @@ class SchedulingConfig(BaseModel):
     entropy_terms: bool = Field(True, description="false: E[dH] is prior_drop for every request, so π orders by "
                                 "cost, slack, remaining work and aging alone, and the remaining-work predictor has "
                                 "no entropy features (the no-entropy baseline)")
+    objective: Literal["pi", "srpt"] = Field("pi", description="srpt: shortest remaining work first, aged (π's "
+                                             "remaining-work term alone: no entropy, compute, memory or slack), the "
+                                             "baseline bench-dispatch compares π with")
     predict_remaining: bool = Field(True, description="the controller learns remaining work from finished requests "
                                     "and uses it for π, routing and dispatch once it beats max_tokens minus generated "
                                     "on held-out requests; false, or until then: max_tokens minus generated")
@@ -47,7 +52,7 @@ class SchedulingConfig(BaseModel):
     def weights(self) -> PriorityWeights:
         return PriorityWeights(alpha=self.alpha, beta=self.beta, gamma=self.gamma, aging_s=self.aging_s,
                                delta=self.delta, ref_output_tokens=self.ref_output_tokens,
-                               remaining_cap_tokens=self.remaining_cap_tokens)
+                               remaining_cap_tokens=self.remaining_cap_tokens, srpt=self.objective == "srpt")
 
 
 class DispatchConfig(BaseModel):

@@ -10,6 +10,10 @@ controller, the HTTP ingress); configurations differ only in how requests are pl
      remaining-work predictor has no entropy features): what entropy adds
   M  B with migration: requests waiting unstarted on one replica move to one that can start them sooner
      (M/B: what moving waiting work saves; each run records how many moved)
+  E  B with π's entropy terms off (the replicas' π and the controller's predictor without entropy)
+  S  B with shortest remaining work first instead of π (``scheduling.objective: srpt``: π's remaining-work
+     term alone, aged, with the same predictor): E/B and S/B say what entropy and the rest of π add to
+     remaining work alone (issue 14, item 2)
 Same seeded open-loop Poisson trace as the scheduling and routing benchmarks (short chat, long-context
 questions, free-form writing), sent over HTTP with the official OpenAI client, streamed so TTFT is
 measured at the client. Greedy, and every output ends at EOS or at a loose max_tokens (``LOOSE_MAX_TOKENS``,
@@ -41,6 +45,10 @@ CONFIGS = {
           "dispatch": {"enabled": True}},
     "M": {"request_router": "power_of_two", "scheduling": {"enabled": True}, "dispatch": {"enabled": False},
           "migration": {"enabled": True}},
+    "E": {"request_router": "power_of_two", "scheduling": {"enabled": True, "entropy_terms": False},
+          "dispatch": {"enabled": False}},
+    "S": {"request_router": "power_of_two", "scheduling": {"enabled": True, "objective": "srpt"},
+          "dispatch": {"enabled": False}},
 }
 DEFAULT_CONFIGS = ["A", "B", "C", "D"]
 KEYS = ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "mean_tpot_s", "goodput_rps", "within_slo",
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {n: {k: st.median(x[k] for x in xs) for k in KEYS} for n, xs in results.items()}
     ratios = {}
-    for a, b in (("C", "A"), ("C", "B"), ("D", "C"), ("B", "A"), ("M", "B")):
+    for a, b in (("C", "A"), ("C", "B"), ("D", "C"), ("B", "A"), ("M", "B"), ("E", "B"), ("S", "B"), ("S", "A")):
         if a in results and b in results:
             ratios[f"{a}/{b}"] = {k: [x[k] / y[k] if y[k] else None for x, y in zip(results[a], results[b])]
                                   for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}

@@ -72,6 +72,20 @@ def test_no_starvation_within_the_aging_bound():
     assert t > 0 and bound < 300  # a bound that means something at serving time scales
 
 
+def test_srpt_ranks_by_remaining_work_alone_and_ages_within_its_bound():
+    srpt = PriorityWeights(srpt=True)
+    short, long_ = with_(remaining_tokens=10), with_(remaining_tokens=400)
+    assert priority(short, srpt) > priority(long_, srpt)
+    # entropy, context, memory and slack do not move it
+    assert priority(with_(remaining_tokens=10, expected_drop=0.0, attended_tokens=8192, kv_blocks=512,
+                          slo_s=0.1), srpt) == priority(short, srpt)
+    lo, hi = priority_bounds(srpt, max_drop=10.0, max_tokens=8192, max_blocks=512, max_remaining=512)
+    assert lo <= base_priority(with_(remaining_tokens=5000), srpt) <= base_priority(with_(remaining_tokens=0), srpt) == hi
+    bound = max_wait_bound(srpt, 10.0, 8192, 512, 512)
+    waited = with_(remaining_tokens=512, waited_s=bound)
+    assert priority(waited, srpt) == pytest.approx(priority(with_(remaining_tokens=0), srpt))  # overtakes at the bound
+
+
 def test_invalid_weights_rejected():
     with pytest.raises(ValueError):
         PriorityWeights(alpha=0)

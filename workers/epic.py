@@ -83,7 +83,6 @@ class EpicDecoder:
         finally:
             self._requests.pop(key, None)
 
-
     async def survey(self, key: str, prefix: list[int], params: Any, control: EpicControl,
                      also: tuple[int, ...] = ()) -> tuple[list[int], list[float], dict[int, float]]:
         """q's candidates at the end of ``prefix`` (ids, log-probabilities) and the lookahead entropy of each

@@ -44,6 +44,7 @@ class PriorityWeights:
     delta: float = 0.0
     ref_output_tokens: float = 128.0
     remaining_cap_tokens: float = 512.0
+    srpt: bool = False  # shortest remaining work first: 1 / (1 + R_s), aged; no entropy, cost or slack
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma", "aging_s", "drop_floor", "slack_floor", "ref_tokens", "ref_blocks",
@@ -69,6 +70,8 @@ def latency_slack(waited_s: float, slo_s: float, floor: float) -> float:
 
 
 def base_priority(s: SequenceState, w: PriorityWeights) -> float:
+    if w.srpt:
+        return 1.0 / (1.0 + min(s.remaining_tokens, w.remaining_cap_tokens) / w.ref_output_tokens)
     cost = (w.alpha * s.attended_tokens / w.ref_tokens + w.beta * s.kv_blocks / w.ref_blocks
             + w.gamma * latency_slack(s.waited_s, s.slo_s, w.slack_floor)
             + w.delta * min(s.remaining_tokens, w.remaining_cap_tokens) / w.ref_output_tokens)
@@ -86,6 +89,8 @@ def ewma(previous: float | None, value: float, weight: float) -> float:
 def priority_bounds(w: PriorityWeights, max_drop: float, max_tokens: float, max_blocks: float,
                     max_remaining: float = 0.0) -> tuple[float, float]:
     """Bounds of the un-aged π over all states with E[ΔH] ≤ max_drop and the given resources (Prop. 2)."""
+    if w.srpt:
+        return 1.0 / (1.0 + min(max_remaining, w.remaining_cap_tokens) / w.ref_output_tokens), 1.0
     worst_cost = (w.alpha * max_tokens / w.ref_tokens + w.beta * max_blocks / w.ref_blocks + w.gamma
                   + w.delta * min(max_remaining, w.remaining_cap_tokens) / w.ref_output_tokens)
     best_cost = w.gamma * w.slack_floor
