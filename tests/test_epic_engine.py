@@ -130,7 +130,7 @@ def test_fit_epic_alpha_runs_end_to_end_on_a_tiny_configuration(model_dir, tmp_p
                     "--context", "16", "--eager", "--no-store", "--out", str(out)], check=True, timeout=600,
                    capture_output=True, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
     result = json.loads((out.parent / "fit.json").read_text())
-    assert result["positions"] == 6 and math.isfinite(result["alpha"])
+    assert result["positions"] == 6 and math.isfinite(result["alpha"]) and len(result["gap"]) == 3
     assert result["fit"]["reference_mean"] >= 0 and result["fit"]["model_mean"] >= 0
     assert set(result["held_out"]) == {"alpha_fitted_on_even_passages", "error_at_0", "error_at_fit", "data_mean"}
     assert "EPIC: α fitted on held-out text" in (out.parent / "fit.md").read_text()
