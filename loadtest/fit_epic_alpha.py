@@ -50,6 +50,7 @@ async def survey(core, passage_ids: list[list[int]], context: int, control, conc
     async def one(p: int, t: int, ids: list[int]) -> Position:
         key = f"fit-{p}-{t}"
         params = base.clone()
+        params.seed = 100_003 * p + t  # the rollouts' draws: a rerun surveys the same continuations
         params.extra_args = SamplingControl(enabled=False).request_args(key, 1.0).into(None)
         async with gate:
             names, logprobs, looks = await core.epic.survey(key, ids[:t], params, control, also=(ids[t],))
