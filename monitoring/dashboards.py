@@ -98,6 +98,19 @@ SERVING = [
               description="Leases renewed by the control loop; running sequences paused for lack of a lease "
                           "(only with scheduling.grant_slots set)"),
     ]),
+    Row("Entropy-aligned decoding (EPIC requests)", [
+        Panel("EPIC tokens per second, by exactness", {
+            "exact={{exact}}": f"sum by (exact) (rate(entropic_epic_tokens_total[{RATE}]))"},
+              description="exact=false: the request's rollout budget cut the search short or was spent"),
+        Panel("Rollout tokens per EPIC token", {
+            "mean": f"sum(rate(entropic_epic_rollout_tokens_total[{RATE}])) / "
+                    f"sum(rate(entropic_epic_tokens_total[{RATE}]))"},
+              description="Engine tokens spent on lookahead rollouts for each token EPIC chose"),
+        Panel("Candidates evaluated per EPIC token", {**quantiles("entropic_epic_candidates_evaluated"),
+                                                       "mean": mean("entropic_epic_candidates_evaluated")}),
+        Panel("Lookahead entropy of the chosen token", quantiles("entropic_epic_lookahead_entropy_nats"),
+              description="nats over the horizon, where the chosen token's lookahead was estimated"),
+    ]),
     Row("Controller", [
         Panel("Telemetry lag (replica to controller)", quantiles("entropic_telemetry_lag_seconds"), "s"),
         Panel("Telemetry reports per second", {"reports": f"sum(rate(entropic_telemetry_reports_total[{RATE}]))"}),

@@ -109,7 +109,7 @@ def test_epic_tilts_lazily_with_telemetry_and_a_seed_reproduces_it(core):
 def test_epic_refuses_what_it_cannot_honour(core):
     from workers.errors import InvalidRequest
 
-    for body, field in (({"temperature": 0.0}, "temperature"), ({"logprobs": 2}, "logprobs"),
+    for body, field in (({"temperature": 0.0}, "temperature"), ({"logprobs": 2}, "logprobs"), ({"logprobs": 0}, "logprobs"),
                         ({"entropic": {"decoding": "epic", "horizon": 0}}, "entropic")):
         request = {"prompt": PROMPT, "max_tokens": 2, "temperature": 1.0,
                    "entropic": {"decoding": "epic"}, **body}

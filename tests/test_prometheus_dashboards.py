@@ -37,6 +37,7 @@ def prometheus(server, tmp_path_factory):
     config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
     config["scrape_configs"][0]["static_configs"][0]["targets"] = [server.removeprefix("http://")]
+    config["rule_files"] = [str(ROOT / "monitoring" / name) for name in config["rule_files"]]
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = _free_port()
     process = subprocess.Popen(
@@ -71,6 +72,9 @@ def _load(client, model: str) -> None:
 
     with cf.ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(16)))
+    client.completions.create(model=model, prompt="My favourite animal is the", max_tokens=4, temperature=1.0,
+                              extra_body={"entropic": {"decoding": "epic", "alpha": 0.5, "horizon": 2,
+                                                       "max_candidates": 4}})
 
 
 def test_every_panel_query_returns_series(prometheus, client, served_model):
@@ -95,3 +99,19 @@ def test_every_panel_query_returns_series(prometheus, client, served_model):
         pending = failures
         time.sleep(2)
     assert not failures, failures
+
+
+def test_the_alert_rules_load_and_evaluate_on_the_served_series(prometheus):
+    """Every rule of monitoring/alerts.yml is loaded by the real Prometheus and evaluates without error
+    against the application's own series (what each one fires on is promtool's part: tests/test_alerts.py)."""
+    from monitoring import alerts
+
+    deadline = time.time() + 60
+    while True:
+        groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert sorted(r["name"] for r in rules) == sorted(a.name for a in alerts.ALERTS)
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]

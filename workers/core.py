@@ -254,8 +254,8 @@ class ReplicaCore:
 
 def _check_epic(kind: str, request: Any) -> None:
     """What an EPIC request cannot have: its tokens are chosen outside the engine's sampler, so the engine's
-    logprobs, grammars and beam search do not describe them (400 naming the field rather than ignoring it)."""
-    asked = {"logprobs": request.logprobs if kind == "completion" else request.logprobs or request.top_logprobs,
+    logprobs and grammars do not describe them (400 naming the field rather than ignoring it)."""
+    asked = {"logprobs": request.logprobs is not None if kind == "completion" else request.logprobs or request.top_logprobs,
              "prompt_logprobs": request.prompt_logprobs, "echo": getattr(request, "echo", False),
              "response_format": request.response_format, "structured_outputs": request.structured_outputs,
              "tools": getattr(request, "tools", None) if getattr(request, "tool_choice", None) not in (None, "none",
