@@ -1,5 +1,7 @@
 """Graceful drain of the HTTP ingress: once draining, new requests get 503 with ``Retry-After`` and an
-OpenAI error object, while the ones already in flight (streams included) run to their end.
+OpenAI error object, while the ones already in flight (streams included) run to their end. The same
+middleware counts every response by status code (``entropic_http_responses_total``: what the error-rate
+alerts read).
 
 A pure ASGI middleware, so a request counts as in flight until its response body has been sent in full:
 a streaming response ends with its last SSE line, not when its handler returns. ``/metrics`` is still
@@ -13,9 +15,12 @@ import json
 from typing import Any
 
 from deployments.protocol import error_body
+from deployments.routing_view import HTTP_RESPONSES
 
 RETRY_AFTER_S = 5
 _ANSWERED_WHILE_DRAINING = ("/metrics",)
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+                     "/metrics"})
 
 
 class DrainState:
@@ -61,16 +66,25 @@ class DrainMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if DRAIN.draining and scope.get("path") not in _ANSWERED_WHILE_DRAINING:
+        path = scope.get("path")
+        route = path if path in _ROUTES else "other"  # bounded label values, whatever clients send
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                HTTP_RESPONSES.labels(str(message["status"]), route).inc()
+            await send(message)
+
+        if DRAIN.draining and path not in _ANSWERED_WHILE_DRAINING:
             body = json.dumps(error_body("the server is shutting down; retry shortly", None, 503,
                                          "ServiceUnavailableError")).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode()),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await counted({"type": "http.response.start", "status": 503,
+                           "headers": [(b"content-type", b"application/json"),
+                                       (b"retry-after", str(RETRY_AFTER_S).encode()),
+                                       (b"content-length", str(len(body)).encode())]})
+            await counted({"type": "http.response.body", "body": body})
             return
         DRAIN.enter()
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, counted)
         finally:
             DRAIN.leave()

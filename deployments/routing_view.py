@@ -26,6 +26,9 @@ _ADMISSIONS = Counter("entropic_dispatch_admissions", "Requests this ingress ask
                       "replica, by outcome (controller: granted; fallback: the controller was unreachable or late, "
                       "Serve's router chose; queue_full, deadline: shed with 503; too_large: no replica's KV cache "
                       "holds its prompt, the engine judges it)", ["outcome"], registry=ROUTING_REGISTRY)
+HTTP_RESPONSES = Counter("entropic_http_responses", "HTTP responses this ingress sent, by status code and route "
+                         "(the OpenAI routes by path; everything else as other)", ["code", "route"],
+                         registry=ROUTING_REGISTRY)
 
 
 class ControllerView:
