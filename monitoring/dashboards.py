@@ -59,6 +59,9 @@ SERVING = [
             "waiting {{replica}}": "sum by (replica) (vllm:num_requests_waiting)"}),
         Panel("KV-cache usage", {"{{replica}}": "max by (replica) (vllm:kv_cache_usage_perc)"}, "percentunit"),
         Panel("Preemptions per second", {"{{replica}}": f"sum by (replica) (rate(vllm:num_preemptions_total[{RATE}]))"}),
+        Panel("HTTP responses per second, by code", {
+            "{{code}}": f"sum by (code) (rate(entropic_http_responses_total[{RATE}]))"}, "reqps",
+              description="Every response the ingress sent; 429/503 are shed requests, other 5xx server errors"),
     ]),
     Row("Entropy control (micro layer)", [
         Panel("Token entropy Ĥ distribution", heatmap("entropic_token_entropy_nats"), kind="heatmap",
