@@ -177,7 +177,7 @@ class Dispatcher:
             remaining = self._remaining(a.prompt_tokens, a.max_tokens)
         else:
             remaining = a.max_tokens if a.max_tokens is not None else self._weights.remaining_cap_tokens
-        state = SequenceState(expected_drop=self._prior_drop, attended_tokens=float(a.prompt_tokens),
+        state = SequenceState(expected_drop=self._prior_drop, attended_tokens=a.prompt_tokens * a.compute_factor,
                               kv_blocks=a.prompt_tokens / _QUEUE_BLOCK_TOKENS, waited_s=waited, slo_s=self._slo_s,
                               remaining_tokens=float(remaining))
         return QueuedRequest(key=a.key, pi=priority(state, self._weights), arrived_s=entry.arrived,

@@ -80,6 +80,7 @@ class Admission:
     max_tokens: int | None
     waited_s: float = 0.0  # already waited in an earlier controller's queue (resent after a restart)
     max_wait_s: float  # how long it may wait for a replica before it is shed
+    compute_factor: float = 1.0  # engine tokens per output token it may spend (EPIC: its rollouts); prices C_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

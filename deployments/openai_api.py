@@ -31,6 +31,7 @@ from deployments.config import AppConfig
 from deployments.drain import DrainMiddleware
 from deployments.http_policy import PolicyMiddleware
 from deployments.tool_calls import ToolCalls
+from workers.control_params import EPIC_FIELDS
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed, RequestMoved
 
 logger = logging.getLogger(__name__)
@@ -560,11 +561,17 @@ class OpenAIIngress:
             return None
         tokens, max_tokens = p.prompt_estimate(kind, request)
         max_wait = dispatch.max_wait_s or self.config.scheduling.slo_s
+        options = p.overrides(request) or {}
+        try:
+            factor = self.config.epic.merged({k: options[k] for k in EPIC_FIELDS if k in options}).forward_tokens_per_token()
+        except ValueError:  # the replica answers it with a 400
+            factor = 1.0
         started = time.monotonic()
         for _ in range(2):
             waited = time.monotonic() - started
             answers = self.controller_stream.admit.remote(Admission(
-                key=key, prompt_tokens=tokens, max_tokens=max_tokens, waited_s=waited, max_wait_s=max_wait))
+                key=key, prompt_tokens=tokens, max_tokens=max_tokens, waited_s=waited, max_wait_s=max_wait,
+                compute_factor=factor))
             try:
                 await asyncio.wait_for(answers.__anext__(), dispatch.admit_timeout_s)  # queued
                 grant = await asyncio.wait_for(answers.__anext__(), max_wait - waited + dispatch.admit_timeout_s)

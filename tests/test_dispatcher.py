@@ -67,6 +67,20 @@ def test_a_freed_slot_goes_to_the_highest_priority_not_the_first_in_line():
     asyncio.run(run())
 
 
+def test_an_expensive_epic_request_waits_behind_a_plain_one_of_the_same_size():
+    async def run():
+        d = _dispatcher()
+        d.observe(_report("r1", ["a", "b"]))
+        epic = d.enqueue(Admission(key="epic", prompt_tokens=100, max_tokens=64, max_wait_s=30.0, compute_factor=33.0))
+        plain = d.enqueue(_admission("plain"))
+        d.observe(_report("r1", ["a"]))
+        assert (await asyncio.wait_for(plain, 1)).replica_id == "r1"
+        assert not epic.done()
+        d.observe(_report("r1", ["plain"]))
+        assert (await asyncio.wait_for(epic, 1)).replica_id == "r1"
+    asyncio.run(run())
+
+
 def test_a_request_that_waited_longer_elsewhere_keeps_its_place_after_a_restart():
     """A restarted controller's queue is rebuilt from what the ingress resends, with the time each request
     had waited: aging then ranks the one that waited long above an otherwise better newcomer."""

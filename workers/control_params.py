@@ -188,3 +188,7 @@ class EpicControl(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.decoding == "epic"
+
+    def forward_tokens_per_token(self) -> float:
+        """The most engine tokens one output token can cost: every candidate's rollouts and one distribution."""
+        return 1.0 + self.max_candidates * self.horizon * self.rollouts if self.enabled else 1.0
