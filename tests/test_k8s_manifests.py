@@ -79,13 +79,15 @@ def _pod_templates(rayservice: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("path,doc", RAYSERVICES, ids=[p.parent.name for p, _ in RAYSERVICES])
-def test_pod_templates_are_valid_pods_with_probes_and_ports(path, doc):
+def test_pod_templates_are_valid_pods_that_leave_probes_to_kuberay_and_name_their_ports(path, doc):
     for template in _pod_templates(doc):
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": copy.deepcopy(template.get("metadata", {})) | {"name": "x"},
                "spec": template["spec"]}
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
         container = template["spec"]["containers"][0]
-        assert container.get("readinessProbe") and container.get("livenessProbe")
+        # KubeRay injects its probes only into Ray containers that set none (worker readiness on the Serve
+        # proxy with failureThreshold 1, so a worker whose proxy died leaves the Service at once)
+        assert "readinessProbe" not in container and "livenessProbe" not in container
         assert {"serve", "metrics"} <= {p["name"] for p in container["ports"]}
 
 
@@ -109,6 +111,12 @@ def test_inline_serve_config_parses_into_ray_and_our_config(path, doc):
         if config.num_gpus_per_replica:
             assert int(limits["nvidia.com/gpu"]) >= config.num_gpus_per_replica
             assert not config.model.startswith("default")
+
+
+@pytest.mark.parametrize("path,doc", RAYSERVICES, ids=[p.parent.name for p, _ in RAYSERVICES])
+def test_no_deprecated_rayservice_fields(path, doc):
+    # KubeRay documents both as "not used anymore" (kuberay issue 1685): setting them changes nothing
+    assert not {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"} & set(doc["spec"])
 
 
 def test_strict_schema_catches_a_misspelled_field():
