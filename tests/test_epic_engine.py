@@ -106,6 +106,25 @@ def test_epic_tilts_lazily_with_telemetry_and_a_seed_reproduces_it(core):
         >= 2 * sum(s.rollout_tokens for s in steps)
 
 
+def test_a_stop_token_ends_the_sequence_so_its_lookahead_entropy_is_zero(core):
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from workers.control_params import EpicControl, SamplingControl
+
+    eos = core.runner.tokenizer.eos_token_id
+    params = SamplingParams(temperature=1.0, max_tokens=1, seed=1, output_kind=RequestOutputKind.DELTA)
+    params.extra_args = SamplingControl(enabled=False).request_args("survey", 1.0).into(None)
+    prefix = core.runner.tokenizer.encode(PROMPT)
+
+    async def survey():
+        core.start()
+        return await core.epic.survey("survey", prefix, params, EpicControl(decoding="epic", horizon=2), also=(eos,))
+
+    names, logprobs, looks = asyncio.run(survey())
+    assert looks[eos] == 0.0
+    assert all(looks[n] > 0 for n in names if n != eos) and len(names) == len(logprobs) == 8
+
+
 def test_epic_refuses_what_it_cannot_honour(core):
     from workers.errors import InvalidRequest
 

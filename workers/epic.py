@@ -90,7 +90,7 @@ class EpicDecoder:
         request = _Request(self, key, params, control, 0.0, None)
         nxt = await request._next(prefix)
         tokens = list(dict.fromkeys([*nxt.ids, *also]))
-        looks = await asyncio.gather(*(request._lookahead(prefix + [t]) for t in tokens))
+        looks = await asyncio.gather(*(request._lookahead(prefix, t) for t in tokens))
         return nxt.ids, nxt.logprobs, {t: look.entropy for t, look in zip(tokens, looks)}
 
 
@@ -106,11 +106,11 @@ class _Request:
         self.rng = random.Random(params.seed) if params.seed is not None else random.Random()
         self.tokenizer = decoder.runner.tokenizer
         self.live: set[str] = set()
+        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
+        self.stops = {t for t in (eos, *(params.stop_token_ids or [])) if t is not None}
 
     async def run(self, prompt_ids: list[int]) -> AsyncIterator[Delta]:
         params, control = self.params, self.control
-        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
-        stops = {t for t in (eos, *(params.stop_token_ids or [])) if t is not None}
         prefix = list(prompt_ids)
         out: list[int] = []
         text_sent, trace, spent = "", EntropyTrace(), 0
@@ -125,7 +125,7 @@ class _Request:
             out.append(token)
             if nxt.entropy is not None:
                 trace.add(nxt.entropy)
-            finish = "stop" if token in stops else ("length" if len(out) >= params.max_tokens else None)
+            finish = "stop" if token in self.stops else ("length" if len(out) >= params.max_tokens else None)
             text = self.tokenizer.decode(out, skip_special_tokens=params.skip_special_tokens)
             cut = _stop_string(text, params.stop or [], params.include_stop_str_in_output)
             if cut is not None:
@@ -153,7 +153,7 @@ class _Request:
                             max_evaluations=budget // per_candidate if tilt else None)
         looked: dict[int, _Lookahead] = {}
         while (pending := search.pending()) is not None:
-            results = await asyncio.gather(*(self._lookahead(prefix + [nxt.ids[i]]) for i in pending))
+            results = await asyncio.gather(*(self._lookahead(prefix, nxt.ids[i]) for i in pending))
             looked.update(zip(pending, results))
             search.record(pending, [r.entropy for r in results])
         winner = search.result.index
@@ -190,8 +190,11 @@ class _Request:
         deltas = await self._run(prefix, *self._params(1, self.control.max_candidates))
         return _first_position(deltas, self.control.max_candidates)
 
-    async def _lookahead(self, ids: list[int]) -> _Lookahead:
+    async def _lookahead(self, prefix: list[int], token: int) -> _Lookahead:
+        if token in self.stops:  # the sequence ends there: nothing after it is uncertain, nothing to roll out
+            return _Lookahead(entropy=0.0, tokens=0, following=None)
         control = self.control
+        ids = prefix + [token]
         runs = await asyncio.gather(*(self._run(ids, *self._params(control.horizon, control.max_candidates))
                                       for _ in range(control.rollouts)))
         entropies = [[h for d in deltas for h in d.entropy] for deltas in runs]
