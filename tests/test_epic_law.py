@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.laws.epic import (
-    EpicParams,
     Position,
     entropy_bounds,
     expected_contenders,
@@ -81,8 +80,6 @@ def test_score_bounds_follow_the_sign_of_alpha():
     assert entropy_bounds(4, 100) == (0.0, 4 * math.log(100))
     assert entropy_bounds(4, 100, first_step=1.5) == (1.5, 1.5 + 3 * math.log(100))
     assert entropy_bounds(4, 100, step_max=2.0) == (0.0, 8.0)
-    with pytest.raises(ValueError):
-        EpicParams(horizon=0)
 
 
 def _draws(logprobs, lookahead, alpha, n, seed, width):

@@ -37,20 +37,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
-class EpicParams:
-    alpha: float = 0.0
-    horizon: int = 4  # k: lookahead steps after the candidate
-    rollouts: int = 1  # K: rollouts per evaluated candidate
-    max_candidates: int = 64  # most candidates whose lookahead one token may evaluate
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.alpha):
-            raise ValueError("alpha must be finite")
-        if self.horizon < 1 or self.rollouts < 1 or self.max_candidates < 1:
-            raise ValueError("need horizon >= 1, rollouts >= 1, max_candidates >= 1")
-
-
 def rao_blackwell_lookahead(step_entropies: Sequence[Sequence[float]]) -> float:
     """Ĥ^RB = Σ_j (1/K) Σ_i H(Y_{t+j} | y^{(i)}_{≤t+j−1}) from K rollouts' per-step exact entropies
     ([K][steps]). A rollout that ended early (EOS) contributes 0 for its missing steps: nothing more is
