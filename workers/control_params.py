@@ -157,9 +157,6 @@ class PruningControl(BaseModel):
         return self.enabled and self.info_weight > 0 and max_context_tokens >= self.min_context_tokens
 
 
-EPIC_FIELDS = ("decoding", "alpha", "horizon", "rollouts", "max_candidates", "rollout_budget")
-
-
 class EpicControl(BaseModel):
     """Entropy-aligned decoding (EPIC; controller.laws.epic, workers.epic): each token is drawn from the
     model's distribution over its ``max_candidates`` most likely tokens, tilted by exp(−α·H) of the
@@ -192,3 +189,6 @@ class EpicControl(BaseModel):
     def forward_tokens_per_token(self) -> float:
         """The most engine tokens one output token can cost: every candidate's rollouts and one distribution."""
         return 1.0 + self.max_candidates * self.horizon * self.rollouts if self.enabled else 1.0
+
+
+EPIC_FIELDS = tuple(EpicControl.model_fields)  # the request's ``entropic`` keys that belong to EPIC

@@ -70,7 +70,7 @@ PositionLogprobs = tuple[tuple[int, float, "int | None", "str | None"], ...]
 class EpicStep:
     """How one EPIC token was drawn (workers.epic): the lookahead entropy of the chosen token where it was
     estimated, how many candidates' lookaheads were estimated, the rollout tokens spent on it, and whether
-    the draw was exact (false where the rollout budget or the vocabulary's tail cut the search short)."""
+    the draw was exact (false where the request's rollout budget cut the search short or was spent)."""
 
     lookahead_entropy: float | None
     candidates_evaluated: int
