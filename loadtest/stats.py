@@ -68,9 +68,20 @@ def chi2_sf(x2: float, df: int) -> float:
     return math.exp(log_front) * h
 
 
-def chi_square_p(observed: list[int], probs: list[float]) -> float:
-    """Pearson's goodness of fit of counts to a distribution over the same categories."""
+def chi_square_p(observed: list[int], probs: list[float], min_expected: float = 0.0) -> float:
+    """Pearson's goodness of fit of counts to a distribution over the same categories. Categories expected
+    fewer than ``min_expected`` times are pooled into one (Cochran's rule, 5: the chi-square tail is a poor
+    approximation for rare categories); probabilities are renormalised when they do not sum to 1."""
+    total = sum(probs)
+    probs = [p / total for p in probs]
     n = sum(observed)
+    rare = [i for i, p in enumerate(probs) if p * n < min_expected]
+    if len(rare) == 1 and len(probs) > 2:  # a pool of one is no pool: join the next rarest to it
+        rare.append(min((i for i in range(len(probs)) if i not in rare), key=lambda i: probs[i]))
+    if len(rare) > 1:
+        kept = [i for i in range(len(probs)) if i not in rare]
+        observed = [observed[i] for i in kept] + [sum(observed[i] for i in rare)]
+        probs = [probs[i] for i in kept] + [sum(probs[i] for i in rare)]
     return chi2_sf(sum((o - p * n) ** 2 / (p * n) for o, p in zip(observed, probs, strict=True)), len(observed) - 1)
 
 

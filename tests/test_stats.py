@@ -17,5 +17,9 @@ def test_goodness_of_fit_and_homogeneity_on_known_counts():
     assert chi_square_p([50, 50], [0.5, 0.5]) == pytest.approx(1.0)
     assert chi_square_p([90, 10], [0.5, 0.5]) < 1e-10  # X² = 64, df 1
     assert homogeneity_p([30, 70], [30, 70]) == pytest.approx(1.0)
+    # categories expected fewer than 5 times are pooled into one: [1, 1] of [0.01, 0.01] counted as 2 of 0.02
+    assert chi_square_p([90, 8, 1, 1], [0.9, 0.08, 0.01, 0.01], min_expected=5) == \
+        pytest.approx(chi_square_p([90, 8, 2], [0.9, 0.08, 0.02]))
+    assert chi_square_p([45, 55], [1.0, 1.0]) == pytest.approx(chi_square_p([45, 55], [0.5, 0.5]))
     # X² of the 2x2 table [[60, 40], [40, 60]] is 8, df 1
     assert homogeneity_p([60, 40], [40, 60]) == pytest.approx(chi2_sf(8.0, 1))
