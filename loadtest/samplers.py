@@ -12,6 +12,9 @@ keys (``sampler_key`` names the request's state):
   most likely token never is); after each step mu <- mu - eta * (s - tau), s being the surprise of the token
   that was sampled, in the truncated and renormalized distribution it was drawn from; mu starts at 2 tau.
   Keys: ``mirostat_tau`` (bits), ``mirostat_eta``. The request's own temperature must be 1.
+* ``Typical`` (locally typical sampling, Meister et al. 2023; Hugging Face's ``typical_p``): tokens ranked by
+  how far their surprisal is from the entropy, |−log p − H|; the smallest prefix of that ranking whose
+  probability reaches ``typical_p`` is kept, the rest masked. The request's own temperature must be 1.
 * ``EntropyRecorder``: records, per position, the entropy (nats) of the distribution the row is sampled
   from: softmax(logits / T_request) as it reaches the sampler (vLLM applies the request's temperature after
   these processors). Listed last. Key ``sampler_key``; ``records[key]`` is a list by position.
@@ -49,6 +52,29 @@ def mirostat_mask(logits: torch.Tensor, mu: float) -> torch.Tensor:
     masked = surprise > mu
     masked[int(torch.argmax(logits))] = False
     return masked
+
+
+def typical_mask(logits: torch.Tensor, mass: float) -> torch.Tensor:
+    """Tokens of one row [vocab] outside the locally typical set of probability ``mass`` (True: masked)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    p = logp.exp()
+    h = -(p * logp.nan_to_num(neginf=0.0)).sum()
+    order = torch.argsort((-logp - h).abs())  # -inf logits: infinitely atypical, last
+    kept = int((p[order].cumsum(0) < mass).sum()) + 1  # through the token that reaches the mass
+    masked = torch.ones_like(logp, dtype=torch.bool)
+    masked[order[:kept]] = False
+    return masked | torch.isinf(logp)  # rounding can carry the cumulative sum past the finite tokens
+
+
+class Typical(_RowProcessor):
+    def wants(self, cfg: dict[str, Any]) -> bool:
+        return "typical_p" in cfg
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (cfg, _) in self.rows.items():
+            if index < logits.shape[0]:
+                logits[index][typical_mask(logits[index], float(cfg["typical_p"]))] = float("-inf")
+        return logits
 
 
 class DynamicTemperature(_RowProcessor):

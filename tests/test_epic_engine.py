@@ -1,9 +1,10 @@
 """EPIC through the replica core (workers.epic): the real engine, the default model.
 
 At α = 0 an EPIC draw is the model's own next-token distribution over its ``max_candidates`` most likely
-tokens (top-k sampling): checked against the distribution the engine reports for the prefix (chi-square). At α ≠ 0 tokens
-come with their lookahead telemetry, candidates are evaluated lazily (fewer than all of them), and a
-seeded request is reproducible.
+tokens (top-k sampling): checked against the distribution the engine reports for the prefix (chi-square). At α ≠ 0
+the draws match q_α computed exhaustively over the candidates (chi-square, at a horizon of one token, where the
+lookahead estimate is exact) while fewer candidates are evaluated than an exhaustive draw would; tokens come with
+their lookahead telemetry, and a seeded request is reproducible.
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from loadtest.stats import chi_square_p, homogeneity_p
 from workers.config import EngineConfig, ReplicaConfig
 
 PROMPT = "My favourite animal is the"
+ALPHA_EXACT = 1.0  # strong enough that q_α and q differ measurably at PROMPT over 400 draws
+# The lazy draw evaluates at most this share of the candidates an exhaustive one would (about 0.4 of 12 at
+# PROMPT with ALPHA_EXACT on one machine: the tail of the support is rarely a contender)
+LAZY_SHARE = 0.6
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +55,23 @@ def _run(core, bodies, concurrency=16):
     return asyncio.run(all_of())
 
 
+def _survey(core, control, also=()):
+    """The candidates at the end of PROMPT, their log-probabilities and lookahead entropies, as a draw sees them."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from workers.control_params import SamplingControl
+
+    params = SamplingParams(temperature=1.0, max_tokens=1, seed=1, output_kind=RequestOutputKind.DELTA)
+    params.extra_args = SamplingControl(enabled=False).request_args("survey", 1.0).into(None)
+    prefix = core.runner.tokenizer.encode(PROMPT)
+
+    async def survey():
+        core.start()
+        return await core.epic.survey("survey", prefix, params, control, also=also)
+
+    return asyncio.run(survey())
+
+
 def test_alpha_zero_draws_the_models_own_next_token(core):
     [reference] = _run(core, [{"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "logprobs": 8}])
     top = {tid: lp for tid, lp, rank, _ in reference[0].logprobs[0] if rank is not None and rank <= 4}
@@ -72,6 +94,35 @@ def test_alpha_zero_draws_the_models_own_next_token(core):
     assert p > 1e-3 and p_plain > 1e-3
     steps = [r[0].epic[0] for r in runs]
     assert all(s.candidates_evaluated == 0 and s.rollout_tokens == 0 and s.exact for s in steps)
+
+
+def test_tilted_draws_match_q_alpha_computed_exhaustively_while_evaluating_fewer_candidates(core):
+    """With a horizon of one token the lookahead estimate is exact and deterministic (the entropy of the position
+    after the candidate, whichever token a rollout then draws), so q_α over the candidates can be computed
+    exhaustively and the lazy draws compared with it."""
+    from controller.laws.epic import tilted_probabilities
+    from workers.control_params import EpicControl
+
+    alpha, k, n = ALPHA_EXACT, 12, 400
+    fields = {"decoding": "epic", "alpha": alpha, "horizon": 1, "rollouts": 1, "max_candidates": k}
+    ids, logprobs, looks = _survey(core, EpicControl(**fields))
+    target = tilted_probabilities(logprobs, [looks[t] for t in ids], alpha)
+    runs = _run(core, [{"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "seed": i, "entropic": dict(fields)}
+                       for i in range(n)])
+    drawn = [r[0].token_ids[0] for r in runs]
+    assert set(drawn) <= set(ids)
+    observed = [drawn.count(t) for t in ids]
+    p_tilted = chi_square_p(observed, target, min_expected=5)
+    p_untilted = chi_square_p(observed, [math.exp(lp) for lp in logprobs], min_expected=5)
+    evaluated = sum(r[0].epic[0].candidates_evaluated for r in runs)
+    print(f"alpha {alpha}: drawn {observed}, q_alpha {[round(x * n, 1) for x in target]}, "
+          f"q {[round(math.exp(lp), 3) for lp in logprobs]}; p {p_tilted:.3f} against q_alpha, "
+          f"{p_untilted:.2g} against q; {evaluated} candidates evaluated, exhaustive: {k * n}")
+    # seeded draws: each verdict is fixed for a machine; 1e-3 is the chance of a false alarm on a new one
+    assert p_tilted > 1e-3
+    assert p_untilted < 1e-3, "the tilt is too weak at this prefix for the test to tell q_alpha from q"
+    assert all(r[0].epic[0].exact for r in runs)
+    assert evaluated < LAZY_SHARE * k * n
 
 
 def test_epic_tilts_lazily_with_telemetry_and_a_seed_reproduces_it(core):
@@ -107,20 +158,10 @@ def test_epic_tilts_lazily_with_telemetry_and_a_seed_reproduces_it(core):
 
 
 def test_a_stop_token_ends_the_sequence_so_its_lookahead_entropy_is_zero(core):
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    from workers.control_params import EpicControl, SamplingControl
+    from workers.control_params import EpicControl
 
     eos = core.runner.tokenizer.eos_token_id
-    params = SamplingParams(temperature=1.0, max_tokens=1, seed=1, output_kind=RequestOutputKind.DELTA)
-    params.extra_args = SamplingControl(enabled=False).request_args("survey", 1.0).into(None)
-    prefix = core.runner.tokenizer.encode(PROMPT)
-
-    async def survey():
-        core.start()
-        return await core.epic.survey("survey", prefix, params, EpicControl(decoding="epic", horizon=2), also=(eos,))
-
-    names, logprobs, looks = asyncio.run(survey())
+    names, logprobs, looks = _survey(core, EpicControl(decoding="epic", horizon=2), also=(eos,))
     assert looks[eos] == 0.0
     assert all(looks[n] > 0 for n in names if n != eos) and len(names) == len(logprobs) == 8
 
@@ -153,6 +194,31 @@ def test_fit_epic_alpha_runs_end_to_end_on_a_tiny_configuration(model_dir, tmp_p
     assert result["fit"]["reference_mean"] >= 0 and result["fit"]["model_mean"] >= 0
     assert set(result["held_out"]) == {"alpha_fitted_on_even_passages", "error_at_0", "error_at_fit", "data_mean"}
     assert "EPIC: α fitted on held-out text" in (out.parent / "fit.md").read_text()
+
+
+def test_bench_epic_runs_end_to_end_on_a_tiny_configuration(model_dir, tmp_path):
+    """The benchmark as `make bench-epic` runs it (its own engine, in a process of its own), cut to a few tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "epic"
+    subprocess.run([sys.executable, "-m", "loadtest.bench_epic", "--passages", "2", "--context", "16", "--length", "4",
+                    "--samples", "2", "--rounds", "1", "--methods", "top-k", "typical", "epic", "--epic-alphas", "0.5",
+                    "--eager", "--out", str(out)], check=True, timeout=600, capture_output=True,
+                   env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
+    result = json.loads((out.parent / "epic.json").read_text())
+    methods = result["methods"]
+    assert list(methods) == ["plain", "top-k", "typical", "epic"]
+    assert result["reference_ce"]["held_out"] > 0 and methods["plain"]["wall_vs_plain"] == [1.0, 1.0, 1.0]
+    assert methods["top-k"]["knob"] in (5, 10, 20, 50, 100) and methods["typical"]["knob"] in (0.5, 0.8, 0.9, 0.95)
+    for row in methods.values():
+        assert row["output_tokens"] > 0 and math.isfinite(row["calibration_error"]) and 0 <= row["accuracy"][0] <= 1
+    # at α ≠ 0 a token whose support holds two candidates or more has its front-runner's lookahead estimated
+    assert methods["epic"]["candidates_per_token"] > 0 and methods["top-k"]["candidates_per_token"] == 0
+    assert all(os.path.exists(p) for p in result["plots"])
+    assert "EPIC against temperature" in (out.parent / "epic.md").read_text()
 
 
 def test_the_replica_reads_the_alpha_fitted_beside_the_model(tmp_path):

@@ -15,6 +15,7 @@ from loadtest.samplers import (
     Mirostat2,
     dynamic_temperature,
     mirostat_mask,
+    typical_mask,
 )
 
 
@@ -45,6 +46,16 @@ def test_mirostat_masks_what_is_more_surprising_than_mu_but_never_the_top_token(
     assert mirostat_mask(logits, 1.5).tolist() == [False, True, True, True]  # surprises 1, 2, 3, 3 bits
     assert mirostat_mask(logits, 2.5).tolist() == [False, False, True, True]
     assert mirostat_mask(logits, 0.1).tolist() == [False, True, True, True]
+
+
+def test_typical_sampling_keeps_the_tokens_whose_surprisal_is_nearest_the_entropy_until_the_mass():
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])  # surprisals 0.69, 1.39, 2.08, 2.08 nats; H = 1.21
+    logits = torch.log(probs)
+    assert typical_mask(logits, 0.2).tolist() == [True, False, True, True]  # 1.39 is nearest H, 0.25 >= 0.2
+    assert typical_mask(logits, 0.6).tolist() == [False, False, True, True]  # then 0.69 (|0.52| < |0.87|)
+    assert typical_mask(logits, 1.0).tolist() == [False, False, False, False]
+    with_masked = torch.cat([logits, torch.tensor([float("-inf")])])
+    assert typical_mask(with_masked, 1.0).tolist()[-1] is True
 
 
 def test_mirostat_moves_mu_by_eta_times_the_sampled_tokens_surprise_error():
