@@ -15,11 +15,12 @@ temperature 1 with nothing truncated; a method's entropy rate is the same mean o
 the same prompts, which end at EOS or after ``--length`` tokens. Calibration error: |rate − CE|, the 95%
 interval of rate − CE over the prompts beside it.
 
-Each method has one knob. Its value is chosen on the even passages (the grid value whose entropy rate is
-nearest CE there) and evaluated on the odd ones, in ``--rounds`` rounds of fresh seeds that alternate the
-order of the methods. Methods: temperature, top-k, top-p, min-p (vLLM's), typical (``loadtest.samplers``),
-the entropy law (``workers.sampling``; knob H*, cool-only under the request's T = 1) and EPIC (knob α, at
-the defaults of its other fields; also at the α fitted for the model, ``make fit-epic-alpha``, as served).
+Each method has one knob, tuned on the even passages (``--bisect-steps`` of bisection on rate − CE, whose
+sign the knob moves monotonically; the value nearest CE is kept) and evaluated on the odd ones, in
+``--rounds`` rounds of fresh seeds that alternate the order of the methods. Methods: temperature, top-k,
+top-p, min-p (vLLM's), typical (``loadtest.samplers``), the entropy law (``workers.sampling``; knob H*,
+cool-only under the request's T = 1) and EPIC (knob α, at the defaults of its other fields; also at the α
+fitted for the model, ``make fit-epic-alpha``, as served).
 "plain" is temperature 1 with nothing else: the cost reference.
 
 Also per method on the held-out passages: 4-gram repetition, distinct-2 and self-BLEU-4 across a prompt's
@@ -52,8 +53,11 @@ OFFSET = 280_000  # characters into pydoc_data.topics (433K); fit-epic-alpha rea
 @dataclass(frozen=True)
 class Method:
     name: str
-    grid: tuple[float, ...]
     knob_name: str
+    low: float  # the knob's range for the bisection
+    high: float
+    rising: bool = True  # whether the entropy rate rises with the knob
+    log_scale: bool = False  # bisect log(knob) (top-k)
 
     def request(self, knob: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the request's OpenAI fields, its ``entropic`` object) at ``knob``."""
@@ -63,7 +67,7 @@ class Method:
         if self.name == "temperature":
             return {"temperature": knob}, off
         if self.name == "top-k":
-            return {"temperature": 1.0, "top_k": int(knob)}, off
+            return {"temperature": 1.0, "top_k": round(knob)}, off
         if self.name == "top-p":
             return {"temperature": 1.0, "top_p": knob}, off
         if self.name == "min-p":
@@ -76,13 +80,22 @@ class Method:
             return {"temperature": 1.0}, {"decoding": "epic"} | ({} if math.isnan(knob) else {"alpha": knob})
         raise ValueError(self.name)
 
+    @property
+    def tuned(self) -> bool:
+        return self.low < self.high
 
-def methods(epic_grid: tuple[float, ...]) -> list[Method]:
-    return [Method("plain", (1.0,), "T"), Method("temperature", (0.6, 0.8, 0.9, 1.0, 1.1, 1.2), "T"),
-            Method("top-k", (5, 10, 20, 50, 100), "k"), Method("top-p", (0.7, 0.8, 0.9, 0.95), "p"),
-            Method("min-p", (0.02, 0.05, 0.1, 0.2), "min p"), Method("typical", (0.5, 0.8, 0.9, 0.95), "mass"),
-            Method("entropy law", (1.0, 2.0, 3.0, 4.0), "H*"), Method("epic", epic_grid, "α"),
-            Method("epic fitted", (math.nan,), "α")]
+    def middle(self, lo: float, hi: float) -> float:
+        mid = math.sqrt(lo * hi) if self.log_scale else 0.5 * (lo + hi)
+        return float(round(mid)) if self.name == "top-k" else mid
+
+
+def methods(alpha_range: tuple[float, float]) -> list[Method]:
+    fixed = math.nan  # not tuned: "plain" is the reference, "epic fitted" serves the α fitted for the model
+    return [Method("plain", "T", 1.0, 1.0), Method("temperature", "T", 0.5, 1.3),
+            Method("top-k", "k", 2, 1000, log_scale=True), Method("top-p", "p", 0.5, 1.0),
+            Method("min-p", "min p", 0.0, 0.3, rising=False), Method("typical", "mass", 0.3, 1.0),
+            Method("entropy law", "H*", 0.5, 6.0), Method("epic", "α", *alpha_range, rising=False),
+            Method("epic fitted", "α", fixed, fixed)]
 
 
 def passages(tokenizer, count: int, tokens: int) -> list[list[int]]:
@@ -167,11 +180,17 @@ async def run(bench: Bench, texts: list[list[int]], all_methods: list[Method], r
     tuning: dict[str, list[dict]] = {}
     for method in all_methods:
         rows = tuning[method.name] = []
-        for knob in method.grid:
+        lo, hi = method.low, method.high
+        for _ in range(bench.args.bisect_steps if method.tuned else 1):
+            knob = method.middle(lo, hi) if method.tuned else method.low
             gaps = rate_gap(await bench.continuations(tune_texts, method, knob, seed=0), tune_ref)
             rows.append({"knob": knob, "gap": mean_interval(gaps)})
-            print(f"tune {method.name} {method.knob_name}={knob}: rate - CE {rows[-1]['gap'][0]:+.3f}",
+            print(f"tune {method.name} {method.knob_name}={knob:.4g}: rate - CE {rows[-1]['gap'][0]:+.3f}",
                   file=sys.stderr, flush=True)
+            if (rows[-1]["gap"][0] < 0) == method.rising:
+                lo = knob
+            else:
+                hi = knob
     chosen = {m.name: min(tuning[m.name], key=lambda r: abs(r["gap"][0]))["knob"] for m in all_methods}
     evaluated: dict[str, dict[str, list]] = {m.name: {"outs": [], "correct": [], "wall_per_token": []}
                                               for m in all_methods}
@@ -240,12 +259,12 @@ def _plot(result: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, tuned in result["tuning"].items():
         if len(tuned) > 1:
-            knobs = [r["knob"] for r in tuned]
-            lo, hi = min(knobs), max(knobs)
-            ax.plot([(k - lo) / (hi - lo) for k in knobs], [r["gap"][0] for r in tuned], marker="o", label=name)
+            points = sorted((r["knob"], r["gap"][0]) for r in tuned)
+            lo, hi = points[0][0], points[-1][0]
+            ax.plot([(k - lo) / (hi - lo) for k, _ in points], [g for _, g in points], marker="o", label=name)
     ax.axhline(0.0, color="grey", lw=1)
-    ax.set(xlabel="knob, scaled to its grid (0: lowest value, 1: highest)", ylabel="entropy rate − CE (nats/token)",
-           title="Tuning passages: each method's knob")
+    ax.set(xlabel="knob, scaled to the values bisection tried (0: lowest, 1: highest)",
+           ylabel="entropy rate − CE (nats/token)", title="Tuning passages: each method's knob")
     ax.legend(fontsize=7)
     path = out.with_name(f"{out.name}-tuning.png")
     fig.savefig(path, dpi=100, bbox_inches="tight")
@@ -285,7 +304,7 @@ def _render(result: dict) -> str:
     lines += ["", f"Lowest calibration error: {best[0]} ({best[1]['calibration_error']:.3f}); the intervals beside "
               "each say which differences the held-out prompts can tell apart. 'epic fitted' runs at the α the "
               f"replica serves by default ({result['fitted_alpha']:.3g}, from `make fit-epic-alpha`).", "",
-              "Tuning (even passages): entropy rate − CE at each knob value", "",
+              "Tuning (even passages): entropy rate − CE at each knob value bisection tried, in order", "",
               "| method | " + "knob: rate − CE |", "|---|---|"]
     for name, tuned in result["tuning"].items():
         lines.append(f"| {name} | " + ", ".join(f"{r['knob']:.3g}: {r['gap'][0]:+.3f}" for r in tuned) + " |")
@@ -298,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default", help='"default" or a local HF model directory')
     parser.add_argument("--passages", type=int, default=16, help="half tune the knobs, half are held out")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per passage")
-    parser.add_argument("--length", type=int, default=48, help="reference tokens per passage; the outputs' cap")
-    parser.add_argument("--samples", type=int, default=3, help="continuations per prompt and round")
+    parser.add_argument("--length", type=int, default=32, help="reference tokens per passage; the outputs' cap")
+    parser.add_argument("--samples", type=int, default=2, help="continuations per prompt and round")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--epic-alphas", type=float, nargs="+", default=[-0.5, 0.0, 0.5], help="EPIC's knob grid")
+    parser.add_argument("--alpha-range", type=float, nargs=2, default=[-1.5, 1.5], help="EPIC's knob, bisected")
+    parser.add_argument("--bisect-steps", type=int, default=4, help="per method, on the tuning passages")
     parser.add_argument("--methods", nargs="+", default=None, help="a subset of the methods (plain always runs)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="run the engine eager (skips compiling: a quicker start)")
@@ -315,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.config import EngineConfig, ReplicaConfig
     from workers.core import ReplicaCore
 
-    chosen = [m for m in methods(tuple(args.epic_alphas))
+    chosen = [m for m in methods((args.alpha_range[0], args.alpha_range[1]))
               if args.methods is None or m.name == "plain" or m.name in args.methods]
     engine = EngineConfig(enforce_eager=True) if args.eager else EngineConfig()
     core = ReplicaCore(ReplicaConfig(model=args.model, engine=engine), replica_id="bench-epic",

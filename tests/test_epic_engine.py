@@ -205,14 +205,17 @@ def test_bench_epic_runs_end_to_end_on_a_tiny_configuration(model_dir, tmp_path)
 
     out = tmp_path / "epic"
     subprocess.run([sys.executable, "-m", "loadtest.bench_epic", "--passages", "2", "--context", "16", "--length", "4",
-                    "--samples", "2", "--rounds", "1", "--methods", "top-k", "typical", "epic", "--epic-alphas", "0.5",
-                    "--eager", "--out", str(out)], check=True, timeout=600, capture_output=True,
+                    "--samples", "2", "--rounds", "1", "--methods", "top-k", "typical", "epic",
+                    "--alpha-range", "0.2", "0.8", "--bisect-steps", "2", "--eager", "--out", str(out)],
+                   check=True, timeout=600, capture_output=True,
                    env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
     result = json.loads((out.parent / "epic.json").read_text())
     methods = result["methods"]
     assert list(methods) == ["plain", "top-k", "typical", "epic"]
     assert result["reference_ce"]["held_out"] > 0 and methods["plain"]["wall_vs_plain"] == [1.0, 1.0, 1.0]
-    assert methods["top-k"]["knob"] in (5, 10, 20, 50, 100) and methods["typical"]["knob"] in (0.5, 0.8, 0.9, 0.95)
+    assert [len(result["tuning"][m]) for m in methods] == [1, 2, 2, 2]  # the plain reference is not tuned
+    assert methods["top-k"]["knob"] == round(methods["top-k"]["knob"]) and 0.3 < methods["typical"]["knob"] < 1.0
+    assert 0.2 < methods["epic"]["knob"] < 0.8
     for row in methods.values():
         assert row["output_tokens"] > 0 and math.isfinite(row["calibration_error"]) and 0 <= row["accuracy"][0] <= 1
     # at α ≠ 0 a token whose support holds two candidates or more has its front-runner's lookahead estimated
