@@ -15,9 +15,9 @@ temperature 1 with nothing truncated; a method's entropy rate is the same mean o
 the same prompts, which end at EOS or after ``--length`` tokens. Calibration error: |rate − CE|, the 95%
 interval of rate − CE over the prompts beside it.
 
-Each method has one knob, tuned on the even passages (``--bisect-steps`` of bisection on rate − CE, whose
-sign the knob moves monotonically; the value nearest CE is kept) and evaluated on the odd ones, in
-``--rounds`` rounds of fresh seeds that alternate the order of the methods. Methods: temperature, top-k,
+Each method has one knob, tuned on the even passages (``--bisect-steps`` of bisection, EPIC's fewer, on rate
+− CE, whose sign the knob moves monotonically; the value nearest CE is kept) and evaluated on the odd ones,
+in ``--rounds`` rounds of fresh seeds that alternate the order of the methods. Methods: temperature, top-k,
 top-p, min-p (vLLM's), typical (``loadtest.samplers``), the entropy law (``workers.sampling``; knob H*,
 cool-only under the request's T = 1) and EPIC (knob α, at the defaults of its other fields; also at the α
 fitted for the model, ``make fit-epic-alpha``, as served).
@@ -93,7 +93,7 @@ def methods(alpha_range: tuple[float, float]) -> list[Method]:
     fixed = math.nan  # not tuned: "plain" is the reference, "epic fitted" serves the α fitted for the model
     return [Method("plain", "T", 1.0, 1.0), Method("temperature", "T", 0.5, 1.3),
             Method("top-k", "k", 2, 1000, log_scale=True), Method("top-p", "p", 0.5, 1.0),
-            Method("min-p", "min p", 0.0, 0.3, rising=False), Method("typical", "mass", 0.3, 1.0),
+            Method("min-p", "min p", 0.0, 0.2, rising=False), Method("typical", "mass", 0.5, 1.0),
             Method("entropy law", "H*", 0.5, 6.0), Method("epic", "α", *alpha_range, rising=False),
             Method("epic fitted", "α", fixed, fixed)]
 
@@ -181,7 +181,8 @@ async def run(bench: Bench, texts: list[list[int]], all_methods: list[Method], r
     for method in all_methods:
         rows = tuning[method.name] = []
         lo, hi = method.low, method.high
-        for _ in range(bench.args.bisect_steps if method.tuned else 1):
+        steps = bench.args.epic_bisect_steps if method.name == "epic" else bench.args.bisect_steps
+        for _ in range(steps if method.tuned else 1):
             knob = method.middle(lo, hi) if method.tuned else method.low
             gaps = rate_gap(await bench.continuations(tune_texts, method, knob, seed=0), tune_ref)
             rows.append({"knob": knob, "gap": mean_interval(gaps)})
@@ -321,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=2, help="continuations per prompt and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alpha-range", type=float, nargs=2, default=[-1.5, 1.5], help="EPIC's knob, bisected")
-    parser.add_argument("--bisect-steps", type=int, default=4, help="per method, on the tuning passages")
+    parser.add_argument("--bisect-steps", type=int, default=7, help="per method, on the tuning passages")
+    parser.add_argument("--epic-bisect-steps", type=int, default=4, help="EPIC's (each costs many rollouts)")
     parser.add_argument("--methods", nargs="+", default=None, help="a subset of the methods (plain always runs)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="run the engine eager (skips compiling: a quicker start)")

@@ -206,7 +206,8 @@ def test_bench_epic_runs_end_to_end_on_a_tiny_configuration(model_dir, tmp_path)
     out = tmp_path / "epic"
     subprocess.run([sys.executable, "-m", "loadtest.bench_epic", "--passages", "2", "--context", "16", "--length", "4",
                     "--samples", "2", "--rounds", "1", "--methods", "top-k", "typical", "epic",
-                    "--alpha-range", "0.2", "0.8", "--bisect-steps", "2", "--eager", "--out", str(out)],
+                    "--alpha-range", "0.2", "0.8", "--bisect-steps", "2", "--epic-bisect-steps", "2", "--eager",
+                    "--out", str(out)],
                    check=True, timeout=600, capture_output=True,
                    env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
     result = json.loads((out.parent / "epic.json").read_text())
