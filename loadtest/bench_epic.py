@@ -57,7 +57,7 @@ class Method:
     low: float  # the knob's range for the bisection
     high: float
     rising: bool = True  # whether the entropy rate rises with the knob
-    log_scale: bool = False  # bisect log(knob) (top-k)
+    log_scale: bool = False  # bisect log(knob): where the rate moves most near the low end (top-k, min-p)
 
     def request(self, knob: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the request's OpenAI fields, its ``entropic`` object) at ``knob``."""
@@ -93,7 +93,7 @@ def methods(alpha_range: tuple[float, float]) -> list[Method]:
     fixed = math.nan  # not tuned: "plain" is the reference, "epic fitted" serves the α fitted for the model
     return [Method("plain", "T", 1.0, 1.0), Method("temperature", "T", 0.5, 1.3),
             Method("top-k", "k", 2, 1000, log_scale=True), Method("top-p", "p", 0.5, 1.0),
-            Method("min-p", "min p", 0.0, 0.2, rising=False), Method("typical", "mass", 0.5, 1.0),
+            Method("min-p", "min p", 1e-5, 0.2, rising=False, log_scale=True), Method("typical", "mass", 0.5, 1.0),
             Method("entropy law", "H*", 0.5, 6.0), Method("epic", "α", *alpha_range, rising=False),
             Method("epic fitted", "α", fixed, fixed)]
 
