@@ -302,9 +302,10 @@ def _render(result: dict) -> str:
                      f"{cell(r['accuracy'], 2)} | {cell(r['wall_vs_plain'], 2)}x | {r['candidates_per_token']:.2f} | "
                      f"{r['rollout_tokens_per_token']:.2f} | {r['ended_at_eos']:.2f} |")
     best = min(result["methods"].items(), key=lambda kv: kv[1]["calibration_error"])
+    fitted = (" 'epic fitted' runs at the α the replica serves by default "
+              f"({result['fitted_alpha']:.3g}, from `make fit-epic-alpha`).") if "epic fitted" in result["methods"] else ""
     lines += ["", f"Lowest calibration error: {best[0]} ({best[1]['calibration_error']:.3f}); the intervals beside "
-              "each say which differences the held-out prompts can tell apart. 'epic fitted' runs at the α the "
-              f"replica serves by default ({result['fitted_alpha']:.3g}, from `make fit-epic-alpha`).", "",
+              "each say which differences the held-out prompts can tell apart." + fitted, "",
               "Tuning (even passages): entropy rate − CE at each knob value bisection tried, in order", "",
               "| method | " + "knob: rate − CE |", "|---|---|"]
     for name, tuned in result["tuning"].items():
