@@ -89,7 +89,7 @@ TIERS = {
 }
 _SERVED_FIXTURES = {"server", "client", "served_model", "ray_cluster"}
 _MODEL_FIXTURES = {"model_dir", "hf_model", "real_logits"}
-_DEPLOYMENT_MODULES = {"test_k8s_manifests", "test_prometheus_dashboards"}
+_DEPLOYMENT_MODULES = {"test_k8s_manifests", "test_prometheus_dashboards", "test_container"}
 
 
 def pytest_configure(config):
