@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_samplers import self_bleu
+from loadtest.stats import interval_cell as cell
 from loadtest.stats import mean_interval, wilson
 from loadtest.workload import CHECKABLE, distinct_n, repetition_rate
 
@@ -290,9 +291,6 @@ def _render(result: dict) -> str:
               "| method | knob | entropy rate − CE | calibration error | 4-gram repetition | distinct-2 | self-BLEU-4 | "
               "accuracy | wall per token vs plain | candidates / token | rollout tokens / token | ended at EOS |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def cell(v: Any, digits: int = 3) -> str:
-        return f"{v[0]:.{digits}f} [{v[1]:.{digits}f}-{v[2]:.{digits}f}]"
 
     for name, r in result["methods"].items():
         knob = result["fitted_alpha"] if math.isnan(r["knob"]) else r["knob"]

@@ -30,6 +30,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from loadtest.stats import interval_cell as cell
 from loadtest.stats import mean_interval, wilson
 from loadtest.workload import CHECKABLE, FREE_FORM, distinct_n, repetition_rate
 
@@ -199,9 +200,6 @@ def _render(result: dict) -> str:
               "| sampler | knob | mean entropy | entropy variance (per output) | 4-gram repetition | distinct-2 | "
               "self-BLEU-4 | factual accuracy | perplexity at T=1 | mean output tokens |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-
-    def cell(v: Any, digits: int = 3) -> str:
-        return f"{v[0]:.{digits}f} [{v[1]:.{digits}f}-{v[2]:.{digits}f}]"
 
     for name in SAMPLERS:
         r = result["samplers"][name]

@@ -35,6 +35,11 @@ def mean_interval(values: Iterable[float], z: float = 1.96) -> tuple[float, floa
     return (m, m - half, m + half)
 
 
+def interval_cell(v: tuple[float, float, float] | list[float], digits: int = 3) -> str:
+    """(value, low, high) as a results table prints it: "v [low-high]"."""
+    return f"{v[0]:.{digits}f} [{v[1]:.{digits}f}-{v[2]:.{digits}f}]"
+
+
 def chi2_sf(x2: float, df: int) -> float:
     """P(X > x2) for X ~ chi-square with ``df`` degrees of freedom: Q(df/2, x2/2), the regularised upper
     incomplete gamma (series below a + 1, Lentz's continued fraction above)."""
