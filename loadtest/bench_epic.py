@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import re
 import statistics as st
 import sys
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_samplers import self_bleu
+from loadtest.fit_epic_alpha import passages
 from loadtest.stats import interval_cell as cell
 from loadtest.stats import mean_interval, wilson
 from loadtest.workload import CHECKABLE, distinct_n, repetition_rate
@@ -97,14 +97,6 @@ def methods(alpha_range: tuple[float, float]) -> list[Method]:
             Method("min-p", "min p", 1e-5, 0.2, rising=False, log_scale=True), Method("typical", "mass", 0.5, 1.0),
             Method("entropy law", "H*", 0.5, 6.0), Method("epic", "α", *alpha_range, rising=False),
             Method("epic fitted", "α", fixed, fixed)]
-
-
-def passages(tokenizer, count: int, tokens: int) -> list[list[int]]:
-    import pydoc_data.topics
-
-    text = re.sub(r"\s+", " ", " ".join(pydoc_data.topics.topics.values()))[OFFSET:]
-    ids = tokenizer.encode(text[: count * tokens * 6], add_special_tokens=False)
-    return [ids[i * tokens:(i + 1) * tokens] for i in range(count) if len(ids) >= (i + 1) * tokens]
 
 
 class Bench:
@@ -342,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     core = ReplicaCore(ReplicaConfig(model=args.model, engine=engine), replica_id="bench-epic",
                        metrics_registry=CollectorRegistry(), logits_processors=(Typical,))
     bench = Bench(core, args)
-    texts = passages(core.runner.tokenizer, args.passages, args.context + args.length)
+    texts = passages(core.runner.tokenizer, args.passages, args.context + args.length, OFFSET)
     if len(texts) < 2:
         print("not enough held-out text for two passages", file=sys.stderr)
         return 1

@@ -29,10 +29,11 @@ import sys
 OFFSET = 100_000  # characters into pydoc_data.topics; fidelity tests read 0-12K and 200K-212K, calibration 350K+
 
 
-def passages(tokenizer, count: int, tokens: int) -> list[list[int]]:
+def passages(tokenizer, count: int, tokens: int, offset: int = OFFSET) -> list[list[int]]:
+    """``count`` consecutive passages of ``tokens`` tokens of Python's documentation from character ``offset``."""
     import pydoc_data.topics
 
-    text = re.sub(r"\s+", " ", " ".join(pydoc_data.topics.topics.values()))[OFFSET:]
+    text = re.sub(r"\s+", " ", " ".join(pydoc_data.topics.topics.values()))[offset:]
     ids = tokenizer.encode(text[: count * tokens * 6], add_special_tokens=False)
     return [ids[i * tokens:(i + 1) * tokens] for i in range(count) if len(ids) >= (i + 1) * tokens]
 
