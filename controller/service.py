@@ -137,7 +137,10 @@ class EntropyController:
     def metric_families(self) -> list:
         """Every live replica's families plus the controller's own (labelled replica="controller")."""
         live = {r: self._metrics[r] for r in self._live() if r in self._metrics}
-        return merge_families({**live, "controller": list(self._registry.collect())})
+        return merge_families({**live, "controller": self.own_metric_families()})
+
+    def own_metric_families(self) -> list:
+        return list(self._registry.collect())
 
     def profiles(self) -> dict[str, Any]:
         """Per replica, as JSON: its latest report with π, the grants and the cluster-wide rank of each sequence."""

@@ -9,6 +9,7 @@ from ray import serve
 from controller.messages import Admission, ControllerAnswer, Grant, RoutingView, TelemetryReport
 from controller.service import EntropyController
 from deployments.config import AppConfig
+from deployments.ray_metrics import mirror_periodically
 
 
 # No access log: every replica reports 20 times a second, which would flood the console of `make serve`.
@@ -18,6 +19,7 @@ class ControllerDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         app = AppConfig.model_validate(config)
         self._controller = EntropyController(app.scheduling, app.dispatch, app.migration)
+        self._metrics_mirror = mirror_periodically(self._controller.own_metric_families, "controller")
 
     # Async, so they run on the replica's event loop (Serve runs plain methods in a thread pool): the
     # dispatch queue's futures belong to that loop.

@@ -279,6 +279,10 @@ class OpenAIIngress:
         self._view_polls = 0
         if self.config.request_router == "soonest_served":
             self._routing_poll = asyncio.get_event_loop().create_task(self._poll_routing_view())
+        from deployments.ray_metrics import mirror_periodically
+        from deployments.routing_view import ROUTING_REGISTRY
+
+        self._metrics_mirror = mirror_periodically(ROUTING_REGISTRY.collect, "ingress")
 
     async def _poll_routing_view(self) -> None:
         """Every routing_view_period_s: the controller's view of replica loads, for the request router."""

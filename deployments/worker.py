@@ -38,10 +38,21 @@ class EntropicWorker:
         # it here yet: unpickling the first request would, ~8 s of CPU under the first load, not at start.
         import deployments.protocol  # noqa: F401
 
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        # Imported here: Serve ships this class by value (see above).
+        from deployments.ray_metrics import RayMirror
+
+        mirror = RayMirror(replica_id)
+
         async def report(message: TelemetryReport) -> ControllerAnswer:
+            if message.metrics is not None:  # the child's registry, about once a second
+                try:
+                    mirror.update(message.metrics)
+                except Exception:  # metrics must never stop a replica's reports
+                    logger.exception("mirroring metrics to Ray failed")
             return await controller.report.remote(message)
 
-        self.core = CoreProcess(self.config.replica(), replica_id=serve.get_replica_context().replica_id.unique_id,
+        self.core = CoreProcess(self.config.replica(), replica_id=replica_id,
                                 node_id=ray.get_runtime_context().get_node_id(),
                                 controller=report if controller is not None else None, on_fatal=self._engine_failed,
                                 preload=("deployments.protocol",))

@@ -162,3 +162,23 @@ def client(server):
 @pytest.fixture(scope="session")
 def served_model(client) -> str:
     return client.models.list().data[0].id
+
+
+def successes(server) -> float:
+    """Requests the replicas' engines finished (vLLM's own counter, summed over replicas)."""
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def settled_successes(server) -> float:
+    """``successes`` once two reads 2 s apart agree: replicas send their metrics about once a second, so a
+    request that finished just before may not have reached /metrics yet (a CI run counted one such late)."""
+    before = successes(server)
+    for _ in range(10):
+        time.sleep(2)
+        now = successes(server)
+        if now == before:
+            return now
+        before = now
+    return before

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from deployments.routing_view import STALE_AFTER_S
+from tests.conftest import settled_successes, successes
 
 
 def _debug(server) -> dict:
@@ -126,26 +127,6 @@ def test_a_burst_is_dispatched_by_free_slots_and_lands_where_granted(server, cli
         time.sleep(0.5)
 
 
-def _successes(server) -> float:
-    """Requests the replicas' engines finished (vLLM's own counter, summed over replicas)."""
-    text = httpx.get(f"{server}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
-
-
-def _settled_successes(server) -> float:
-    """``_successes`` once two reads 2 s apart agree: replicas send their metrics about once a second, so a
-    request that finished just before may not have reached /metrics yet (a CI run counted one such late)."""
-    before = _successes(server)
-    for _ in range(10):
-        time.sleep(2)
-        now = _successes(server)
-        if now == before:
-            return now
-        before = now
-    return before
-
-
 @pytest.mark.disruptive
 def test_serving_continues_through_a_controller_kill_and_restart(server, client, served_model):
     """Killed while every batch slot is taken and more requests wait in its queue: each request still
@@ -155,7 +136,7 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
     from ray import serve
 
     local_before = _local_priority_count(server)
-    successes_before = _settled_successes(server)
+    successes_before = settled_successes(server)
     [entry] = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EntropyController" in a["name"]]
     controller = ray.get_actor(entry["name"], namespace=entry["namespace"])
     slots = sum(load["max_num_seqs"] for load in _routing(server)["view"]["replicas"].values())
@@ -226,6 +207,6 @@ def test_serving_continues_through_a_controller_kill_and_restart(server, client,
     assert _routing(server)["decisions"]["grant"] > via_grant
     sent = n + 3  # the streams, the one meanwhile, the two after the restart
     deadline = time.time() + 30  # the replicas' counters reach /metrics with their next report
-    while (done := _successes(server) - successes_before) < sent and time.time() < deadline:
+    while (done := successes(server) - successes_before) < sent and time.time() < deadline:
         time.sleep(0.5)
     assert done == sent  # none lost, none run twice

@@ -66,9 +66,14 @@ def test_manifest_is_valid(path, doc):
     if doc["apiVersion"].startswith("ray.io/"):
         jsonschema.validate(doc, _crd_schema(doc["kind"]))
     elif doc["apiVersion"] == "monitoring.coreos.com/v1":
-        # prometheus-operator's CRD is not vendored: the shape here, the rules inside by promtool (test_alerts.py)
-        assert doc["kind"] == "PrometheusRule" and set(doc) == {"apiVersion", "kind", "metadata", "spec"}
-        assert set(doc["spec"]) == {"groups"} and doc["metadata"]["name"]
+        # prometheus-operator's CRDs are not vendored: the shape here, the rules inside by promtool
+        # (test_alerts.py), the PodMonitor's endpoints below
+        assert doc["kind"] in ("PrometheusRule", "PodMonitor") and set(doc) == {"apiVersion", "kind", "metadata", "spec"}
+        assert doc["metadata"]["name"]
+        if doc["kind"] == "PrometheusRule":
+            assert set(doc["spec"]) == {"groups"}
+        else:
+            assert set(doc["spec"]) == {"jobLabel", "selector", "podMetricsEndpoints"}
     else:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -131,3 +136,27 @@ def test_kustomizations_reference_existing_files():
     for path in K8S.rglob("kustomization.yaml"):
         for resource in yaml.safe_load(path.read_text())["resources"]:
             assert (path.parent / resource).exists(), (path, resource)
+
+
+def test_metrics_are_scraped_once_per_pod_from_ray_and_the_merged_page_is_not_discovered():
+    """The merged /metrics page is the same on every pod's proxy: a Service annotated for scraping would
+    be scraped once per pod. Prometheus reads each pod's Ray metrics agent instead (the PodMonitor), with
+    the renames of monitoring/prometheus-ray.yml, from a port every Ray pod names."""
+    (monitor,) = [d for _, d in DOCUMENTS if d["kind"] == "PodMonitor"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ray_config = yaml.safe_load((K8S.parent / "monitoring" / "prometheus-ray.yml").read_text())
+    (job,) = ray_config["scrape_configs"]
+    camel = {"source_labels": "sourceLabels", "target_label": "targetLabel"}
+    assert endpoint["metricRelabelings"] == [{camel.get(k, k): v for k, v in rule.items()}
+                                             for rule in job["metric_relabel_configs"]]
+    for _, doc in RAYSERVICES:
+        assert "prometheus.io/scrape" not in doc["spec"]["serveService"]["metadata"].get("annotations", {})
+        cluster = doc["spec"]["rayClusterConfig"]
+        for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+            assert group["rayStartParams"]["metrics-export-port"] == "8080"
+        for template in _pod_templates(doc):
+            labels = template["metadata"]["labels"]
+            assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            assert labels[monitor["spec"]["jobLabel"]] == job["job_name"]  # the job the alerts name
+            ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+            assert ports[endpoint["port"]] == 8080

@@ -1,10 +1,13 @@
-"""A real Prometheus (Debian's package) scrapes the running deployment under a short load; every
-dashboard panel's query must be valid and return series. The dashboards JSON must be up to date."""
+"""A real Prometheus (Debian's package) scrapes the running deployment under a short load, both ways: the
+merged /metrics page (one target) and every node's Ray metrics agent (as in a cluster). Every dashboard
+panel's query must be valid and return series on both; the series scraped from every node must add up to
+the requests served. The dashboards JSON must be up to date."""
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -15,7 +18,7 @@ import pytest
 import yaml
 
 from monitoring import dashboards
-from tests.conftest import _free_port
+from tests.conftest import _free_port, settled_successes, successes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,18 +28,14 @@ def test_committed_dashboards_are_generated_from_code():
         assert (dashboards.OUT / name).read_text() == text, f"run `python -m monitoring.dashboards` ({name})"
 
 
-@pytest.fixture(scope="module")
-def prometheus(server, tmp_path_factory):
+def _run_prometheus(config: dict, workdir: Path):
     binary = shutil.which("prometheus")
     if not binary:
         message = "no prometheus binary on PATH (`make test` installs Debian's package when run as root)"
         if os.environ.get("REQUIRE_PROMETHEUS"):  # CI (.ci/run): this tier must run there
             pytest.fail(message)
         pytest.skip(message)
-    workdir = tmp_path_factory.mktemp("prometheus")
-    config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
-    config["scrape_configs"][0]["static_configs"][0]["targets"] = [server.removeprefix("http://")]
     config["rule_files"] = [str(ROOT / "monitoring" / name) for name in config["rule_files"]]
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = _free_port()
@@ -61,6 +60,28 @@ def prometheus(server, tmp_path_factory):
         process.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def prometheus(server, tmp_path_factory):
+    """Scraping the merged /metrics page, one target (monitoring/prometheus.yml)."""
+    config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
+    config["scrape_configs"][0]["static_configs"][0]["targets"] = [server.removeprefix("http://")]
+    yield from _run_prometheus(config, tmp_path_factory.mktemp("prometheus"))
+
+
+@pytest.fixture(scope="module")
+def prometheus_ray(server, tmp_path_factory):
+    """Scraping every node's Ray metrics agent, as in a cluster (monitoring/prometheus-ray.yml): the
+    targets are what Ray's service-discovery file lists, each node's metrics export port."""
+    import ray
+
+    workdir = tmp_path_factory.mktemp("prometheus-ray")
+    targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]]
+    (workdir / "targets.json").write_text(json.dumps([{"labels": {}, "targets": targets}]))
+    config = yaml.safe_load((ROOT / "monitoring" / "prometheus-ray.yml").read_text())
+    config["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(workdir / "targets.json")]
+    yield from _run_prometheus(config, workdir)
+
+
 def _load(client, model: str) -> None:
     def one(i: int) -> None:
         if i % 2:
@@ -77,10 +98,7 @@ def _load(client, model: str) -> None:
                                                        "max_candidates": 4}})
 
 
-def test_every_panel_query_returns_series(prometheus, client, served_model):
-    _load(client, served_model)
-    time.sleep(3)
-    _load(client, served_model)
+def _every_panel_query_returns_series(prometheus: str, may_be_empty=lambda expr: False) -> None:
     deadline = time.time() + 60
     body = json.loads((dashboards.OUT / "entropic-serve.json").read_text())
     pending = dashboards.queries(body)
@@ -98,7 +116,99 @@ def test_every_panel_query_returns_series(prometheus, client, served_model):
             break
         pending = failures
         time.sleep(2)
+    failures = [(title, expr) for title, expr in failures if not may_be_empty(expr)]
     assert not failures, failures
+
+
+def test_every_panel_query_returns_series(prometheus, client, served_model):
+    _load(client, served_model)
+    time.sleep(3)
+    _load(client, served_model)
+    _every_panel_query_returns_series(prometheus)
+
+
+def _value(prometheus: str, query: str) -> float | None:
+    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query}, timeout=10).json()
+    assert result["status"] == "success", (query, result)
+    return float(result["data"]["result"][0]["value"][1]) if result["data"]["result"] else None
+
+
+def _merged(server: str, sample: str) -> float:
+    """The merged page's total of one sample over every replica and label."""
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(sample + "{") or line.startswith(sample + " "))
+
+
+def test_series_scraped_from_every_node_add_up_to_the_requests_served(prometheus_ray, server, client, served_model):
+    """Prometheus scrapes every node's Ray metrics agent, as it would in a cluster; the worker replicas
+    live on two nodes. The requests it counts must equal what the replicas counted (the merged page)
+    and grow by exactly the requests sent: no series counted twice, none missing."""
+    before = settled_successes(server)
+    sent = 6
+    for i in range(sent):
+        client.completions.create(model=served_model, prompt=f"Count to {i}:", max_tokens=4, temperature=0)
+    # Replicas report their registries about once a second; Ray's agents export every ~10 s.
+    deadline = time.time() + 90
+    while True:
+        merged = successes(server)
+        scraped = _value(prometheus_ray, "sum(vllm:request_success_total)")
+        if merged == before + sent and scraped == merged or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert merged == before + sent
+    assert scraped == merged, (scraped, merged)
+    nodes = _value(prometheus_ray, "count(count by (instance) (vllm:num_requests_running))")
+    assert nodes == 2, "the two worker replicas' nodes each export their own series"
+    # A histogram through Ray keeps every bucket's count (quantiles); its _sum Ray rebuilds from bucket
+    # midpoints (deployments/ray_metrics.py), so it is not compared.
+    result = httpx.get(f"{prometheus_ray}/api/v1/query", timeout=10,
+                       params={"query": "sum by (le) (vllm:e2e_request_latency_seconds_bucket)"}).json()
+    scraped_buckets = {float(r["metric"]["le"]): float(r["value"][1]) for r in result["data"]["result"]}
+    assert scraped_buckets == _merged_buckets(server, "vllm:e2e_request_latency_seconds_bucket")
+
+
+def test_every_series_of_the_merged_page_reaches_the_ray_path(prometheus_ray, server):
+    """Names of vLLM's and our series, and only of samples not still zero: Ray has no series for a counter
+    or histogram before its first increase. Prometheus' own *_created samples are not Ray's to export."""
+    def merged_names() -> set[str]:
+        totals: dict[str, float] = {}
+        for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name = re.split(r"[{ ]", line, maxsplit=1)[0]
+                totals[name] = totals.get(name, 0.0) + abs(float(line.rsplit(" ", 1)[1]))
+        return {n for n, total in totals.items()
+                if total > 0 and not n.endswith("_created") and n.startswith(("vllm:", "entropic_"))}
+
+    deadline = time.time() + 60
+    while True:
+        result = httpx.get(f"{prometheus_ray}/api/v1/query", timeout=10,
+                           params={"query": 'group by (__name__) ({__name__=~"vllm:.+|entropic_.+"})'}).json()
+        missing = merged_names() - {r["metric"]["__name__"] for r in result["data"]["result"]}
+        if not missing or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, sorted(missing)
+
+
+def _merged_buckets(server: str, sample: str) -> dict[float, float]:
+    buckets: dict[float, float] = {}
+    for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
+        if line.startswith(sample + "{"):
+            le = float(line.split('le="', 1)[1].split('"', 1)[0])
+            buckets[le] = buckets.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def test_every_panel_query_returns_series_on_the_ray_path(prometheus_ray, server, client, served_model):
+    """As on the merged page, except where the panel's counters are all still zero: a Ray counter has no
+    series until it first increases (``ray.util.metrics.Counter`` takes only increments above zero)."""
+    def counters_all_zero(expr: str) -> bool:
+        names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*_total\b", expr))
+        return bool(names) and all(_merged(server, name) == 0 for name in names)
+
+    _load(client, served_model)
+    _every_panel_query_returns_series(prometheus_ray, may_be_empty=counters_all_zero)
 
 
 def test_the_alert_rules_load_and_evaluate_on_the_served_series(prometheus):

@@ -21,7 +21,7 @@ _TEMPERATURE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0,
 _TAU_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 _PRIORITY_BUCKETS = (1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 100)
 _RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.999, 1.0)
-_CANDIDATE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 20)
+_CANDIDATE_BUCKETS = (0.5, 1, 2, 3, 4, 6, 8, 12, 16, 20)  # Ray's histograms take only bounds > 0
 _LOOKAHEAD_BUCKETS = (0.5, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
 _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
