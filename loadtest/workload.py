@@ -5,6 +5,7 @@ long-context retrieval (a passkey hidden in filler at a chosen depth) and free-f
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -72,3 +73,19 @@ def repetition_rate(tokens: list[int], n: int = 4) -> float:
         seen.add(gram)
         total += 1
     return repeats / total if total else 0.0
+
+
+def drawn_jobs(count: int, seed: int, passkey_tokens: tuple[int, ...] = (2000, 4000),
+               free_tokens: int = 96) -> list[Job]:
+    """``count`` jobs in mixed_jobs' proportions (half questions with one-word answers, a quarter passkeys, a
+    quarter free-form), drawn with ``seed``: questions and free-form prompts with replacement, each passkey with
+    a key, depth and length of its own. Different seeds give different draws of the same workload."""
+    rng = random.Random(seed)
+    passkeys = frees = count // 4
+    jobs = [Job(f"checkable-{i}", "checkable", *rng.choice(CHECKABLE), 16, seed) for i in range(count - 2 * passkeys)]
+    for i in range(passkeys):
+        tokens, depth, key = rng.choice(passkey_tokens), round(rng.uniform(0.1, 0.9), 2), rng.randrange(10000, 100000)
+        jobs.append(Job(f"passkey-{i}", "passkey", passkey_prompt(tokens // TOKENS_PER_FILLER, depth, key), str(key),
+                        12, seed))
+    jobs += [Job(f"free-{i}", "free_form", rng.choice(FREE_FORM), None, free_tokens, seed) for i in range(frees)]
+    return jobs

@@ -23,3 +23,16 @@ def test_goodness_of_fit_and_homogeneity_on_known_counts():
     assert chi_square_p([45, 55], [1.0, 1.0]) == pytest.approx(chi_square_p([45, 55], [0.5, 0.5]))
     # X² of the 2x2 table [[60, 40], [40, 60]] is 8, df 1
     assert homogeneity_p([60, 40], [40, 60]) == pytest.approx(chi2_sf(8.0, 1))
+
+
+def test_bootstrap_interval_holds_the_mean_and_narrows_with_more_units():
+    from loadtest.stats import bootstrap_interval
+
+    few = bootstrap_interval([float(v % 10) for v in range(20)])
+    many = bootstrap_interval([float(v % 10) for v in range(2000)])
+    assert few[1] < 4.5 < few[2] and many[1] < 4.5 < many[2]
+    assert many[2] - many[1] < (few[2] - few[1]) / 5
+    assert bootstrap_interval([2.0] * 7) == (2.0, 2.0, 2.0)
+    assert bootstrap_interval([1.0, 3.0]) == bootstrap_interval([1.0, 3.0])  # seeded: reruns agree
+    pairs = [(1.0, 0.0)] * 10
+    assert bootstrap_interval(pairs, lambda u: sum(a - b for a, b in u) / len(u)) == (1.0, 1.0, 1.0)
