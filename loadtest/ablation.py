@@ -86,11 +86,13 @@ async def _run(core, jobs: list[Job], reference: dict | None) -> dict:
     from loadtest.instruments import TeacherForcing
     from workers.pruning_state import STATE
 
+    async def drain(kind: str, request: object) -> None:
+        async for _ in core.generate(kind, request):
+            pass
+
     core.start()
     # warm-up: prefill every prompt once, so all configurations decode from the same prefix-cache state
-    for job in jobs:
-        async for _ in core.generate(*_request(job, 1, False)):
-            pass
+    await asyncio.gather(*(drain(*_request(job, 1, False)) for job in jobs))
     prompt_tokens: dict[str, int] = {}
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -123,17 +125,19 @@ async def _run(core, jobs: list[Job], reference: dict | None) -> dict:
     steps = core.runner.steps - steps_before
     stats = {k: vars(STATE.stats)[k] - stats_before[k] for k in stats_before}
 
-    # teacher forcing over the baseline's outputs (or our own, for the baseline itself)
+    # teacher forcing over the baseline's outputs (or our own, for the baseline itself), all at once as the run
     argmax = {}
-    for job in jobs:
-        force = (reference or tokens)[job.name]
-        if len(force) < 2:
-            continue
+
+    async def force(job: Job) -> None:
+        forced = (reference or tokens)[job.name]
+        if len(forced) < 2:
+            return
         key = f"forced-{job.name}"
-        async for _ in core.generate(*_request(job, len(force), True, {"fidelity_key": key, "fidelity_force": force})):
-            pass
+        await drain(*_request(job, len(forced), True, {"fidelity_key": key, "fidelity_force": forced}))
         records = TeacherForcing.records.pop(key)
-        argmax[job.name] = [int(records[p].argmax()) for p in range(1, len(force))]
+        argmax[job.name] = [int(records[p].argmax()) for p in range(1, len(forced))]
+
+    await asyncio.gather(*(force(job) for job in jobs))
     return {"wall": wall, "steps": steps, "first": first, "done": done, "tokens": tokens, "entropy": entropy,
             "kv_usage": kv_usage, "stats": stats, "argmax": argmax, "prompt_tokens": prompt_tokens}
 
