@@ -164,11 +164,16 @@ def served_model(client) -> str:
     return client.models.list().data[0].id
 
 
-def successes(server) -> float:
-    """Requests the replicas' engines finished (vLLM's own counter, summed over replicas)."""
+def merged_total(server: str, sample: str) -> float:
+    """The merged /metrics page's total of one sample over every replica and label."""
     text = httpx.get(f"{server}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+               if line.startswith(sample + "{") or line.startswith(sample + " "))
+
+
+def successes(server) -> float:
+    """Requests the replicas' engines finished (vLLM's own counter, summed over replicas)."""
+    return merged_total(server, "vllm:request_success_total")
 
 
 def settled_successes(server) -> float:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from monitoring import dashboards
-from tests.conftest import _free_port, settled_successes, successes
+from tests.conftest import _free_port, merged_total, settled_successes, successes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,13 +133,6 @@ def _value(prometheus: str, query: str) -> float | None:
     return float(result["data"]["result"][0]["value"][1]) if result["data"]["result"] else None
 
 
-def _merged(server: str, sample: str) -> float:
-    """The merged page's total of one sample over every replica and label."""
-    text = httpx.get(f"{server}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(sample + "{") or line.startswith(sample + " "))
-
-
 def test_series_scraped_from_every_node_add_up_to_the_requests_served(prometheus_ray, server, client, served_model):
     """Prometheus scrapes every node's Ray metrics agent, as it would in a cluster; the worker replicas
     live on two nodes. The requests it counts must equal what the replicas counted (the merged page)
@@ -210,7 +203,7 @@ def test_every_panel_query_returns_series_on_the_ray_path(prometheus_ray, server
     series until it first increases (``ray.util.metrics.Counter`` takes only increments above zero)."""
     def counters_all_zero(expr: str) -> bool:
         names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*_total\b", expr))
-        return bool(names) and all(_merged(server, name) == 0 for name in names)
+        return bool(names) and all(merged_total(server, name) == 0 for name in names)
 
     _load(client, served_model)
     _every_panel_query_returns_series(prometheus_ray, may_be_empty=counters_all_zero)
