@@ -15,7 +15,7 @@ from workers.engine import engine_process_env
 
 def worker_runtime_env(config: AppConfig) -> dict[str, Any]:
     # Read by vLLM at import inside the replica process, before any engine code runs.
-    return {"env_vars": engine_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)}
+    return {"env_vars": engine_process_env(config.engine.threads(), config.engine.kv_cache_space_gib)}
 
 
 def request_router_class(config: AppConfig) -> str | None:
@@ -28,7 +28,7 @@ def request_router_class(config: AppConfig) -> str | None:
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
-    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    config = (args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})).resolved()
     as_dict = config.model_dump()
     # Serve's decorator turns each class into a Deployment (bind/options); mypy sees only the class.
     controller = ControllerDeployment.bind(as_dict)  # type: ignore[attr-defined]

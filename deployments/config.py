@@ -6,12 +6,14 @@ runs the replicas. Invalid values fail at start with pydantic's message naming t
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller.config import DispatchConfig, MigrationConfig
+from deployments.cpu_plan import NodeResources, current_nodes, plan_replicas
 from workers.config import ReplicaConfig
+from workers.cpu_cores import threads_per_core
 
 
 class AutoscalingConfig(BaseModel):
@@ -38,7 +40,9 @@ class HttpConfig(BaseModel):
 
 
 class AppConfig(ReplicaConfig):
-    num_replicas: int = Field(1, ge=1, le=64)
+    num_replicas: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto", description='"auto": one per node with CPUs, or per num_gpus_per_replica GPUs '
+        "(deployments/cpu_plan.py)")
     autoscaling: AutoscalingConfig | None = None
     max_ongoing_requests: int = Field(64, ge=1, description="per worker replica; more wait in Serve's queue")
     max_queued_requests: int | None = Field(
@@ -54,7 +58,9 @@ class AppConfig(ReplicaConfig):
         None, gt=0, description="a generation request's deadline, from its arrival: past it, 408 with an OpenAI error "
         "object if nothing was sent yet, else an in-band error ending the stream, and the engine frees its slot. "
         "None: no deadline, as vllm serve")
-    num_cpus_per_replica: float = Field(1.0, ge=0)
+    num_cpus_per_replica: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description='Ray CPUs each worker replica takes; "auto": its node\'s CPUs less one, shared '
+        "among the replicas the node holds (1 on GPUs)")
     num_gpus_per_replica: float = Field(0.0, ge=0)
     request_router: Literal["power_of_two", "soonest_served"] = Field(
         "power_of_two", description="Serve's default power-of-two router, or deployments.routing.SoonestServedRouter "
@@ -67,20 +73,45 @@ class AppConfig(ReplicaConfig):
     @model_validator(mode="after")
     def _serve_queue_holds_the_grants(self) -> AppConfig:
         # Granted requests pass through Serve's queue on their way to the replica; a burst of grants (up to
-        # every batch slot at once) must not find it full.
-        slots = self.engine.max_num_seqs * (self.autoscaling.max_replicas if self.autoscaling else self.num_replicas)
+        # every batch slot at once) must not find it full. "auto" counts as one replica until it is resolved.
+        replicas = self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+        slots = self.engine.max_num_seqs * (1 if replicas == "auto" else replicas)
         if self.dispatch.enabled and self.max_queued_requests is not None and 0 <= self.max_queued_requests < slots:
             raise ValueError(f"max_queued_requests ({self.max_queued_requests}) must be at least the batch slots "
                              f"({slots}) with dispatch on, or -1: the controller's queue (dispatch.max_queued) "
                              "bounds what waits")
         return self
 
+    def resolved(self, nodes: list[NodeResources] | None = None) -> AppConfig:
+        """This config with every "auto" replaced by the plan for ``nodes`` (default: the Ray cluster this
+        process is connected to, or this machine); a config without "auto" comes back as it is."""
+        auto = (self.num_replicas, self.num_cpus_per_replica, self.engine.cpu_threads)
+        if "auto" not in auto:
+            return self
+        plan = plan_replicas(
+            current_nodes() if nodes is None else nodes,
+            num_replicas=None if self.num_replicas == "auto" else self.num_replicas,
+            num_cpus_per_replica=None if self.num_cpus_per_replica == "auto" else self.num_cpus_per_replica,
+            cpu_threads=None if self.engine.cpu_threads == "auto" else self.engine.cpu_threads,
+            num_gpus_per_replica=self.num_gpus_per_replica, autoscaling=self.autoscaling is not None,
+            smt=threads_per_core())
+        raw = self.model_dump()
+        raw.update(num_replicas=plan.num_replicas, num_cpus_per_replica=plan.num_cpus_per_replica)
+        raw["engine"]["cpu_threads"] = plan.cpu_threads
+        return AppConfig.model_validate(raw)
+
+    def max_replicas(self) -> int:
+        """The most worker replicas this (resolved) config runs."""
+        replicas = self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+        if replicas == "auto":
+            raise ValueError("num_replicas is unresolved: call resolved() first")
+        return replicas
+
     def queue_bound(self) -> int:
         """Serve's max_queued_requests for the worker deployment (``max_queued_requests`` resolved)."""
         if self.max_queued_requests is not None:
             return self.max_queued_requests
-        replicas = self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
-        return 2 * self.engine.max_num_seqs * replicas
+        return 2 * self.engine.max_num_seqs * self.max_replicas()
 
     def replica(self) -> ReplicaConfig:
         """The part of this config one replica runs with."""

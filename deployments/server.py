@@ -16,6 +16,8 @@ import yaml
 from pydantic import ValidationError
 
 from deployments.config import AppConfig
+from deployments.cpu_plan import NodeResources
+from workers.cpu_cores import available_cpus
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, AppConfig]:
@@ -26,7 +28,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, AppConfig]:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--num-cpus", type=int, default=os.cpu_count())
+    parser.add_argument("--num-cpus", type=int, default=available_cpus(),
+                        help="CPUs Ray may use (default: those this process may run on)")
     args = parser.parse_args(argv)
     raw: dict = {}
     if args.config:
@@ -59,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModelPreparationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if config.num_gpus_per_replica == 0:  # GPUs are counted once Ray has started (build_app resolves them)
+        config = config.resolved([NodeResources(float(args.num_cpus))])
     keep_frontend_off_engine_cores(config)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+    config = config.resolved()  # what is still "auto" (GPU counts), now that Ray has counted them
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -72,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.run(build_app(config), name="entropic", route_prefix="/")
         base = f"http://{args.host}:{args.port}"
         print(json.dumps({"ready": base, "openai_base_url": f"{base}/v1", "metrics": f"{base}/metrics",
-                          "model": config.model_name}), flush=True)
+                          "model": config.model_name, "replicas": config.max_replicas(),
+                          "engine_threads": config.engine.cpu_threads}), flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -90,9 +97,8 @@ def keep_frontend_off_engine_cores(config: AppConfig) -> None:
 
     if not config.engine.pin_cores or config.num_gpus_per_replica > 0:
         return
-    replicas = config.autoscaling.max_replicas if config.autoscaling else config.num_replicas
     cores = os.sched_getaffinity(0)
-    frontend = frontend_cores(cores, replicas * config.engine.cpu_threads)
+    frontend = frontend_cores(cores, config.max_replicas() * config.engine.threads())
     if frontend is None:
         return
     os.environ[NODE_CORES_ENV] = ",".join(map(str, sorted(cores)))

@@ -58,7 +58,7 @@ def run_arm(arm: str, prompts: list[str], max_tokens: int, concurrency: int | No
     from workers.engine import configure_process_env
 
     config = _config(arm)
-    configure_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)
+    configure_process_env(config.engine.threads(), config.engine.kv_cache_space_gib)
     from workers.model_store import resolve_model
 
     model = str(resolve_model(config.model))

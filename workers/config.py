@@ -5,13 +5,14 @@
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from controller.config import SchedulingConfig
 from kernels.hardware import resolve_dtype
 from workers.control_params import EpicControl, PruningControl, SamplingControl
+from workers.cpu_cores import available_cpus, engine_threads, threads_per_core
 from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 CPU_PRUNING_BLOCK_SIZE = 64
@@ -38,7 +39,10 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_cache_space_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE in GiB (CPU only)")
-    cpu_threads: int = Field(1, ge=1, description="OpenMP threads of each replica's engine (CPU only)")
+    cpu_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description='OpenMP threads of each replica\'s engine (CPU only). "auto": one per physical core of '
+        "the node's CPUs as Ray counts them (a pod's CPU limit), one CPU left to the serving path, shared among "
+        "the replicas the node holds (docs/operations.md, CPU cores)")
     pin_cores: bool = Field(True, description="CPU only: each engine process takes cpu_threads cores of its node "
                             "for itself, never the lowest one, which stays with the serving path "
                             "(workers/cpu_cores.py); False, or too few free cores: the engine floats")
@@ -58,6 +62,13 @@ class EngineConfig(BaseModel):
                     "out tensor, pipeline and data parallelism (docs/design/engine-embedding.md); scale with "
                     "num_replicas instead")
         return extra
+
+    def threads(self) -> int:
+        """``cpu_threads``, where "auto" is resolved for one engine on this machine. An application resolves
+        "auto" itself, for the replicas each node holds (deployments/cpu_plan.py), before any engine starts."""
+        if self.cpu_threads != "auto":
+            return self.cpu_threads
+        return engine_threads(available_cpus(), engines=1, smt=threads_per_core())
 
     def engine_kwargs(self, model_path: str, served_model_name: str, on_gpu: bool = False,
                       pruning: bool = False) -> dict[str, Any]:

@@ -51,7 +51,7 @@ class ReplicaCore:
         ``metrics_registry``: a Prometheus registry of its own (several cores in one process)."""
         config = config.layers_on()
         self.config = config
-        configure_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)
+        configure_process_env(config.engine.threads(), config.engine.kv_cache_space_gib)
         import torch
 
         from workers.model_store import fitted_epic_alpha, resolve_model

@@ -41,6 +41,39 @@ def node_cores() -> set[int]:
     return {int(c) for c in named.split(",")} if named else os.sched_getaffinity(0)
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota (a Kubernetes CPU limit),
+    as Ray counts a node's CPUs."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    return cpus if quota == "max" else max(1, min(cpus, int(quota) // int(period)))
+
+
+def threads_per_core(cores: set[int] | None = None) -> int:
+    """Hardware threads per physical core among ``cores`` (default: this process's): 2 with SMT on most
+    x86 machines; 1 where /sys says nothing."""
+    cores = os.sched_getaffinity(0) if cores is None else cores
+    physical: set[tuple[str, str]] = set()
+    for core in cores:
+        topology = Path(f"/sys/devices/system/cpu/cpu{core}/topology")
+        try:
+            physical.add(((topology / "physical_package_id").read_text().strip(),
+                          (topology / "core_id").read_text().strip()))
+        except OSError:
+            return 1
+    return max(1, round(len(cores) / len(physical))) if physical else 1
+
+
+def engine_threads(node_cpus: float, engines: int, smt: int = 1, reserve: int = 1) -> int:
+    """OpenMP threads for each of ``engines`` engines sharing a node of ``node_cpus`` CPUs (hardware threads,
+    ``smt`` of them per physical core): one thread per physical core, with ``reserve`` CPUs left to the
+    serving path, which is how vLLM's CPU worker binds its threads by default; at least one."""
+    return max(1, int(max(0.0, node_cpus - reserve) // max(1, engines)) // max(1, smt))
+
+
 def frontend_cores(cores: set[int], engine_threads: int) -> list[int] | None:
     """The lowest cores, those engines pinned from the top leave free; None when the engines need them all."""
     ordered = sorted(cores)

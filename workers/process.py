@@ -275,10 +275,10 @@ def run_child(conn: Any, config: ReplicaConfig, replica_id: str, node_id: str, w
 def _pin(config: ReplicaConfig) -> CoreClaim | None:
     if not config.engine.pin_cores:
         return None
-    configure_process_env(config.engine.cpu_threads, config.engine.kv_cache_space_gib)  # before torch is imported
+    configure_process_env(config.engine.threads(), config.engine.kv_cache_space_gib)  # before torch is imported
     import torch
 
-    return None if torch.cuda.is_available() else pin_engine_process(config.engine.cpu_threads)
+    return None if torch.cuda.is_available() else pin_engine_process(config.engine.threads())
 
 
 class _Child(_PipeEnd):
