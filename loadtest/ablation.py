@@ -299,38 +299,28 @@ def _markdown(result: dict) -> str:
 
 
 def _plots(configs: dict, out: Path) -> list[str]:
-    import matplotlib
+    from loadtest.plots import cdf, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def figure(suffix: str, title: str, xlabel: str, ylabel: str, draw) -> str:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, row in configs.items():
-            draw(ax, name, row)
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-        ax.legend()
-        path = out.with_name(f"{out.name}-{suffix}.png")
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        return str(path)
+    def each(draw):
+        return lambda ax: [draw(ax, name, row) for name, row in configs.items()]
 
     def entropy(ax, name, row):
         free = [hs for k, hs in row["entropy"].items() if k.startswith("free-")]
         ax.plot([st.mean(h[i] for h in free) for i in range(min(len(h) for h in free))], label=name)
 
     def latency(ax, name, row):
-        lat = sorted(row["e2e_s"].values())
-        ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=name, drawstyle="steps-post")
+        cdf(ax, list(row["e2e_s"].values()), name)
 
     def throughput(ax, name, row):
         points = sorted((row["prompt_tokens"][k], len(row["tokens"][k]) / row["e2e_s"][k]) for k in row["e2e_s"])
         ax.plot([p for p, _ in points], [r for _, r in points], "o-", label=name)
 
-    return [figure("entropy", "Entropy trajectories (free-form)", "generated token", "mean entropy (nats)", entropy),
-            figure("latency-cdf", "Latency CDF", "end-to-end latency (s)", "fraction of requests", latency),
-            figure("throughput-context", "Per-request throughput vs context length", "prompt tokens",
-                   "tokens/s of the request", throughput)]
+    return [save_figure(out, "entropy", "Entropy trajectories (free-form)", "generated token", "mean entropy (nats)",
+                        each(entropy)),
+            save_figure(out, "latency-cdf", "Latency CDF", "end-to-end latency (s)", "fraction of requests",
+                        each(latency)),
+            save_figure(out, "throughput-context", "Per-request throughput vs context length", "prompt tokens",
+                        "tokens/s of the request", each(throughput))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """What entropy adds to KV pruning: block selectors at equal mean kept fraction, against dense (issue 14, item 1).
 
     make bench-selectors ARGS="--contexts 2000 4000 7000 --budgets 0.1 0.25 0.5 --out docs/results/selectors"
+    make bench-selectors ARGS="--replot --out docs/results/selectors"   # the plots again, from the saved data
 
 Selectors, each at several budgets (``--budgets``: the entropy law's ``keep_min``):
 
@@ -43,6 +44,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loadtest.bench_pruning import keep_overrides
@@ -299,7 +301,45 @@ def _render(result: dict) -> str:
                      + " | ".join(proportion(e["accuracy"].get(t)) for t in TASKS[:-1])
                      + f" | {proportion(e['same_as_dense'])} | {mean(e['agreement'], 3)} | {mean(e['kl'], 4)} | "
                      f"{mean(e.get('kl_minus_fixed'), 4)} | {by_context} |")
+    if result.get("plots"):
+        lines += ["", "Quality against the fraction of blocks kept, per selector (95% intervals over cases; dense "
+                  "at 1.0):", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in result["plots"]]
     return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> list[str]:
+    """Quality-versus-kept-fraction curves, one per selector: KL from dense and top-1 agreement with it on
+    natural text, each point a budget at the fraction it kept."""
+    from loadtest.plots import interval_line, save_figure
+
+    rows = result["summary"]
+    dense = next(r for r in rows if r["selector"] == "dense")
+
+    def curves(metric: str):
+        def draw(ax) -> None:
+            for selector in dict.fromkeys(r["selector"] for r in rows if r["selector"] != "dense"):
+                points = sorted((r["kept"], r[metric]) for r in rows if r["selector"] == selector)
+                # quest and fixed keep the same fraction: offset one a hair so both stay visible
+                shift = 0.002 if selector == "quest" else 0.0
+                interval_line(ax, [k + shift for k, _ in points], [e for _, e in points], selector)
+            ax.plot([dense["kept"]], [dense[metric][0]], "k*", markersize=10, label="dense")
+        return draw
+
+    return [save_figure(out, "kl", "KL(dense || pruned) on natural text vs blocks kept", "mean fraction of KV blocks kept",
+                        "mean KL per token (nats)", curves("kl")),
+            save_figure(out, "agreement", "Top-1 agreement with dense on natural text vs blocks kept",
+                        "mean fraction of KV blocks kept", "teacher-forced top-1 agreement", curves("agreement"))]
+
+
+def replot(out: str) -> None:
+    """Draw the plots of a saved result (``<out>.json``) and rewrite its Markdown with them."""
+    import json
+
+    path = Path(out)
+    result = json.loads(path.with_name(path.name + ".json").read_text())
+    result["plots"] = plot(result, path)
+    path.with_name(path.name + ".json").write_text(json.dumps(result, indent=2))
+    path.with_name(path.name + ".md").write_text(_render(result))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,16 +360,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="pruned requests ask for prompt logprobs, so prompt blocks carry their surprisal "
                         "(each such request is prefilled again: vLLM skips the prefix cache for them)")
     parser.add_argument("--out", default="docs/results/selectors")
+    parser.add_argument("--replot", action="store_true", help="measure nothing: draw the plots of the saved "
+                        "<out>.json and rewrite <out>.md with them")
     args = parser.parse_args(argv)
 
     from loadtest.machine import publish
 
+    if args.replot:
+        replot(args.out)
+        return 0
     measured = asyncio.run(measure(args))
+    summary = summarize(measured["rows"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plots = plot({"summary": summary}, Path(args.out))
     publish("loadtest.bench_selectors", argv, args.out,
             {"dtype": measured["dtype"], "block_size": args.block_size, "max_step": args.max_step,
              "prompt_surprisal": args.prompt_surprisal,
              "contexts": args.contexts, "cases": args.cases, "budgets": args.budgets,
-             "summary": summarize(measured["rows"]), "rows": measured["rows"]}, _render)
+             "summary": summary, "rows": measured["rows"], "plots": plots}, _render)
     return 0
 
 

@@ -1,11 +1,12 @@
 """loadtest/bench_selectors.py's prompts and accounting, on inputs whose answers are known (the benchmark
 itself runs the engine over long prompts for many minutes)."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from loadtest.bench_selectors import TASKS, Case, _forced_metrics, correct, make_cases, summarize
+from loadtest.bench_selectors import TASKS, Case, _forced_metrics, correct, make_cases, replot, summarize
 from loadtest.stats import wilson
 
 
@@ -45,11 +46,13 @@ def test_forced_metrics_compare_each_position_after_the_prefills():
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 0
 
 
-def test_summary_pools_cases_over_contexts_per_selector_and_budget():
-    def row(selector, budget, task, context, **values):
-        return {"selector": selector, "budget": budget, "task": task, "context": context, "prompt_tokens": context,
-                "seconds": 1.0, **values}
+def _row(selector, budget, task, context, **values):
+    return {"selector": selector, "budget": budget, "task": task, "context": context, "prompt_tokens": context,
+            "seconds": 1.0, **values}
 
+
+def test_summary_pools_cases_over_contexts_per_selector_and_budget():
+    row = _row
     rows = [row("dense", None, "passkey", 2000, kept=1.0, correct=[True, True], same_as_dense=[True, True]),
             row("dense", None, "natural", 2000, kept=1.0, agreement=[1.0], kl=[0.0]),
             row("entropy", 0.25, "passkey", 2000, kept=0.4, correct=[True, False], same_as_dense=[True, False]),
@@ -66,3 +69,25 @@ def test_summary_pools_cases_over_contexts_per_selector_and_budget():
     assert math.isnan(dense["kl"][1])  # one case: no interval
     assert fixed["selector"] == "fixed" and "kl_minus_fixed" not in fixed
     assert entropy["kl_minus_fixed"][0] == pytest.approx(((0.1 - 0.05) + (0.3 - 0.1)) / 2)  # paired by case
+
+
+def test_a_saved_result_is_replotted_and_its_markdown_embeds_the_curves(tmp_path):
+    import json
+
+    from loadtest.machine import describe
+
+    rows = [_row("dense", None, "natural", 2000, kept=1.0, agreement=[1.0, 1.0], kl=[0.0, 0.0])]
+    for budget, kept in [(0.1, 0.5), (0.5, 0.8)]:
+        for selector in ("entropy", "fixed", "quest"):
+            rows.append(_row(selector, budget, "natural", 2000, kept=kept, agreement=[0.9, 0.8], kl=[0.1, 0.2]))
+    result = {"command": "python -m loadtest.bench_selectors", "date": "now", "machine": describe(),
+              "dtype": "float32", "block_size": 64, "max_step": None, "prompt_surprisal": False,
+              "contexts": [2000], "cases": 2, "budgets": [0.1, 0.5], "summary": summarize(rows), "rows": rows}
+    out = tmp_path / "selectors"
+    (tmp_path / "selectors.json").write_text(json.dumps(result))
+    replot(str(out))
+    saved = json.loads((tmp_path / "selectors.json").read_text())
+    assert [Path(p).name for p in saved["plots"]] == ["selectors-kl.png", "selectors-agreement.png"]
+    for name in ("selectors-kl.png", "selectors-agreement.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in (tmp_path / "selectors.md").read_text()

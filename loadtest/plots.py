@@ -1,0 +1,40 @@
+"""Figures the benchmarks embed in their result files: one axes per PNG, next to ``<out>.md``."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def save_figure(out: Path, suffix: str, title: str, xlabel: str, ylabel: str, draw: Callable[[Any], None],
+                legend: bool = True) -> str:
+    """Draw on a fresh axes with ``draw(ax)`` and save it as ``<out>-<suffix>.png``; returns that path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    draw(ax)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    path = out.with_name(f"{out.name}-{suffix}.png")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
+
+
+def cdf(ax: Any, values: Sequence[float], label: str, **style: Any) -> None:
+    """The empirical CDF of ``values`` as a step line."""
+    ordered = sorted(values)
+    ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label, drawstyle="steps-post",
+            **style)
+
+
+def interval_line(ax: Any, xs: Sequence[float], estimates: Sequence[Sequence[float]], label: str,
+                  **style: Any) -> None:
+    """Points joined by a line, each ``(mean, low, high)`` drawn with its interval as an error bar."""
+    ax.errorbar(xs, [e[0] for e in estimates], yerr=[[e[0] - e[1] for e in estimates], [e[2] - e[0] for e in estimates]],
+                marker="o", capsize=3, label=label, **style)
