@@ -30,6 +30,7 @@ import asyncio
 import statistics as st
 import sys
 import time
+from pathlib import Path
 
 from loadtest.bench_scheduling import CLASSES, Job, latency_stats, make_trace
 from loadtest.machine import cpu_text
@@ -88,6 +89,8 @@ async def run_trace(base: str, jobs: list[Job]) -> dict:
             "p50_e2e_s": st.median(e2e), "mean_tpot_s": st.mean(tpots) if tpots else 0.0,
             "shed": len(rows) - len(served), "errors": sorted({r["error"] for r in rows if "error" in r}),
             "output_tokens": {r["rid"]: r["tokens"] for r in served},
+            "e2e_by_request": {r["rid"]: r["e2e"] for r in served},
+            "ttft_by_request": {r["rid"]: r["ttft"] for r in served},
             "max_send_lag_s": max(r["sent"] - r["arrival"] for r in rows)}
 
 
@@ -173,14 +176,30 @@ def main(argv: list[str] | None = None) -> int:
         if a in results and b in results:
             ratios[f"{a}/{b}"] = {k: [x[k] / y[k] if y[k] else None for x, y in zip(results[a], results[b])]
                                   for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plots = plot(results, Path(args.out))
     publish("loadtest.bench_dispatch", argv, args.out,
             {"settings": vars(args), "classes": CLASSES, "loose_max_tokens": LOOSE_MAX_TOKENS, "configs": CONFIGS,
-             "median": summary, "ratios": ratios, "decision_cost": costs,
+             "median": summary, "ratios": ratios, "decision_cost": costs, "plots": plots,
              "rounds": {n: [{k: v for k, v in x.items() if k != "output_tokens"} | {
                  "mean_output_tokens": st.mean(x["output_tokens"].values()) if x["output_tokens"] else 0}
                  for x in xs] for n, xs in results.items()}},
             _markdown)
     return 0
+
+
+def plot(results: dict[str, list[dict]], out: Path) -> list[str]:
+    """Latency CDFs per configuration (end to end and TTFT), every served request of every round pooled."""
+    from loadtest.plots import cdf, save_figure
+
+    def draw(key: str):
+        return lambda ax: [cdf(ax, [v for x in xs for v in x[key].values()], name)
+                           for name, xs in results.items() if all(x[key] for x in xs)]
+
+    return [save_figure(out, "e2e-cdf", "End-to-end latency per configuration", "end-to-end latency (s)",
+                        "fraction of requests", draw("e2e_by_request")),
+            save_figure(out, "ttft-cdf", "Time to first token per configuration", "TTFT (s)",
+                        "fraction of requests", draw("ttft_by_request"))]
 
 
 def _markdown(result: dict) -> str:
@@ -227,6 +246,9 @@ def _markdown(result: dict) -> str:
             lines.append(f"- {n} round {i + 1}: {rw.get('model')} ({errors or 'too few held-out samples'}; "
                          f"{rw.get('finished_requests')} finished); admissions by outcome: "
                          f"{placed or 'none (dispatch off)'}; requests moved: {x.get('moved', 0):.0f}")
+    if result.get("plots"):
+        lines += ["", "Latency CDFs, every request of every round:", ""] + [
+            f"![{Path(p).stem}]({Path(p).name})" for p in result["plots"]]
     lines += ["", "Mean output tokens per request (each round): " + "; ".join(
         f"{n}: " + ", ".join(f"{x['mean_output_tokens']:.0f}" for x in xs) for n, xs in result["rounds"].items()), ""]
     return "\n".join(lines)
