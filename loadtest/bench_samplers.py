@@ -28,6 +28,7 @@ import statistics as st
 import sys
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from loadtest.stats import interval_cell as cell
@@ -185,7 +186,46 @@ def evaluate(runner: Runner, sampler: str, knob: float, args: argparse.Namespace
         "perplexity": mean_interval([o["perplexity"] for o in free]),
         "output_tokens": st.fmean(len(o["tokens"]) for o in free),
         "samples": [{k: o[k] for k in ("seed", "prompt", "text")} for o in free[: len(runner.free)]],
+        "entropy_trajectory": trajectory([o["entropy"] for o in free]),
+        "first_output_entropy": free[0]["entropy"],  # seed 0, prompt 0, first sample: the same draw for each sampler
     }
+
+
+def trajectory(series: list[list[float]]) -> dict[str, list[float]]:
+    """Per token position: the mean and standard deviation of the entropy over the outputs that reached it
+    (positions fewer than half of them reached are left out)."""
+    means, sds = [], []
+    for i in range(max(map(len, series), default=0)):
+        values = [h[i] for h in series if len(h) > i and not math.isnan(h[i])]
+        if 2 * len(values) < len(series) or len(values) < 2:
+            break
+        means.append(st.fmean(values))
+        sds.append(st.stdev(values))
+    return {"mean": means, "sd": sds}
+
+
+def plot(result: dict, out: Path) -> list[str]:
+    """Entropy trajectories per sampler: the mean over outputs with a one-sd band, and one output's own."""
+    from loadtest.plots import save_figure
+
+    rows = {name: r for name, r in result["samplers"].items() if "entropy_trajectory" in r}
+
+    def mean(ax) -> None:
+        for name, r in rows.items():
+            m, sd = r["entropy_trajectory"]["mean"], r["entropy_trajectory"]["sd"]
+            (line,) = ax.plot(m, label=name)
+            ax.fill_between(range(len(m)), [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
+                            color=line.get_color(), alpha=0.12)
+        ax.axhline(result["target"], color="grey", lw=1, ls="--", label="target mean")
+
+    def one(ax) -> None:
+        for name, r in rows.items():
+            ax.plot(r["first_output_entropy"], label=name, lw=1)
+
+    return [save_figure(out, "entropy", "Entropy per generated token, mean over outputs (band: one sd)",
+                        "generated token", "entropy of the sampled distribution (nats)", mean),
+            save_figure(out, "entropy-one-output", "Entropy per generated token, one output per sampler "
+                        "(same prompt and seed)", "generated token", "entropy (nats)", one)]
 
 
 def _render(result: dict) -> str:
@@ -207,6 +247,9 @@ def _render(result: dict) -> str:
                      f"{cell(r['repetition_4gram'])} | {cell(r['distinct_2'])} | {cell(r['self_bleu'])} | "
                      f"{cell(r['factual_accuracy'], 2)} | {cell(r['perplexity'], 2)} | {r['output_tokens']:.0f} |")
     lines += ["", "Knobs: fixed and dynatemp T, mirostat tau (bits), ours the target entropy H* (nats)."]
+    if result.get("plots"):
+        lines += ["", "Entropy trajectories per sampler:", ""] + [f"![{Path(p).stem}]({Path(p).name})"
+                                                                  for p in result["plots"]]
     return "\n".join(lines) + "\n"
 
 
@@ -238,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     for sampler in SAMPLERS:
         knob, tuned = tune(runner, sampler, target, args)
         results[sampler] = {**evaluate(runner, sampler, knob, args), "tuned_entropy": tuned}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plots = plot({"samplers": results, "target": target}, Path(args.out))
     publish("loadtest.bench_samplers", argv, args.out,
             {"dtype": runner.dtype, "target": target, "reference_t": args.reference_t, "samples": args.samples,
-             "seeds": args.seeds, "max_tokens": args.max_tokens, "samplers": results}, _render)
+             "seeds": args.seeds, "max_tokens": args.max_tokens, "samplers": results, "plots": plots}, _render)
     return 0
 
 

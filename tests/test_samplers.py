@@ -7,7 +7,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from loadtest.bench_samplers import bleu4, sampler_args, self_bleu
+from loadtest.bench_samplers import bleu4, plot, sampler_args, self_bleu, trajectory
 from loadtest.samplers import (
     KEY,
     DynamicTemperature,
@@ -104,3 +104,18 @@ def test_each_sampler_asks_the_engine_for_its_own_knob():
     assert t == 1.0 and extra["entropic"]["target_entropy"] == 2.5 and extra["entropic"]["control"]
     with pytest.raises(ValueError):
         sampler_args("nope", 1.0, "k")
+
+
+def test_the_trajectory_averages_each_position_over_the_outputs_that_reached_it():
+    series = [[1.0, 2.0, 3.0, 9.0], [3.0, 4.0, float("nan")], [2.0, 3.0, 5.0], [2.0]]
+    got = trajectory(series)
+    assert got["mean"] == pytest.approx([2.0, 3.0, 4.0])  # position 3: one output of four reached it
+    assert got["sd"][0] == pytest.approx(math.sqrt(2 / 3)) and got["sd"][2] == pytest.approx(math.sqrt(2))
+
+
+def test_entropy_trajectories_are_drawn_per_sampler(tmp_path):
+    rows = {name: {"entropy_trajectory": {"mean": [1.0, 1.2], "sd": [0.1, 0.2]}, "first_output_entropy": [0.9, 1.4]}
+            for name in ("fixed", "ours")}
+    paths = plot({"samplers": rows, "target": 1.1}, tmp_path / "samplers")
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["samplers-entropy.png", "samplers-entropy-one-output.png"]
+    assert all(open(p, "rb").read(4) == b"\x89PNG" for p in paths)
