@@ -302,7 +302,10 @@ def _plots(configs: dict, out: Path) -> list[str]:
     from loadtest.plots import cdf, save_figure
 
     def each(draw):
-        return lambda ax: [draw(ax, name, row) for name, row in configs.items()]
+        def each_config(ax) -> None:
+            for name, row in configs.items():
+                draw(ax, name, row)
+        return each_config
 
     def entropy(ax, name, row):
         free = [hs for k, hs in row["entropy"].items() if k.startswith("free-")]

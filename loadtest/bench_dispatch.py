@@ -193,8 +193,11 @@ def plot(results: dict[str, list[dict]], out: Path) -> list[str]:
     from loadtest.plots import cdf, save_figure
 
     def draw(key: str):
-        return lambda ax: [cdf(ax, [v for x in xs for v in x[key].values()], name)
-                           for name, xs in results.items() if all(x[key] for x in xs)]
+        def each_config(ax) -> None:
+            for name, xs in results.items():
+                if all(x[key] for x in xs):
+                    cdf(ax, [v for x in xs for v in x[key].values()], name)
+        return each_config
 
     return [save_figure(out, "e2e-cdf", "End-to-end latency per configuration", "end-to-end latency (s)",
                         "fraction of requests", draw("e2e_by_request")),
