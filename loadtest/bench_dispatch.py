@@ -52,6 +52,9 @@ CONFIGS = {
           "dispatch": {"enabled": False}},
 }
 DEFAULT_CONFIGS = ["A", "B", "C", "D"]
+LABELS = {"A": "A: power-of-two, FCFS", "B": "B: power-of-two, π", "C": "C: controller queue, π",
+          "D": "D: C without entropy terms", "M": "M: B with migration", "E": "E: B without entropy terms",
+          "S": "S: B with shortest remaining work first"}
 KEYS = ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "mean_tpot_s", "goodput_rps", "within_slo",
         "shed", "wall_s", "max_send_lag_s")
 
@@ -145,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/results/dispatch")
+    parser.add_argument("--replot", action="store_true", help="measure nothing: draw the plots of the saved "
+                        "<out>.json and rewrite <out>.md with them")
     args = parser.parse_args(argv)
+    if args.replot:
+        from loadtest.plots import replot
+
+        replot(args.out, lambda result, path: plot(result["rounds"], path), _markdown)
+        return 0
 
     import httpx
 
@@ -195,8 +205,8 @@ def plot(results: dict[str, list[dict]], out: Path) -> list[str]:
     def draw(key: str):
         def each_config(ax) -> None:
             for name, xs in results.items():
-                if all(x[key] for x in xs):
-                    cdf(ax, [v for x in xs for v in x[key].values()], name)
+                if all(x.get(key) for x in xs):
+                    cdf(ax, [v for x in xs for v in x[key].values()], LABELS[name])
         return each_config
 
     return [save_figure(out, "e2e-cdf", "End-to-end latency per configuration", "end-to-end latency (s)",

@@ -331,17 +331,6 @@ def plot(result: dict, out: Path) -> list[str]:
                         "mean fraction of KV blocks kept", "teacher-forced top-1 agreement", curves("agreement"))]
 
 
-def replot(out: str) -> None:
-    """Draw the plots of a saved result (``<out>.json``) and rewrite its Markdown with them."""
-    import json
-
-    path = Path(out)
-    result = json.loads(path.with_name(path.name + ".json").read_text())
-    result["plots"] = plot(result, path)
-    path.with_name(path.name + ".json").write_text(json.dumps(result, indent=2))
-    path.with_name(path.name + ".md").write_text(_render(result))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2000, 4000, 7000])
@@ -367,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.machine import publish
 
     if args.replot:
-        replot(args.out)
+        from loadtest.plots import replot
+
+        replot(args.out, plot, _render)
         return 0
     measured = asyncio.run(measure(args))
     summary = summarize(measured["rows"])

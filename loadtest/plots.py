@@ -1,6 +1,7 @@
 """Figures the benchmarks embed in their result files: one axes per PNG, next to ``<out>.md``."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,3 +39,14 @@ def interval_line(ax: Any, xs: Sequence[float], estimates: Sequence[Sequence[flo
     """Points joined by a line, each ``(mean, low, high)`` drawn with its interval as an error bar."""
     ax.errorbar(xs, [e[0] for e in estimates], yerr=[[e[0] - e[1] for e in estimates], [e[2] - e[0] for e in estimates]],
                 marker="o", capsize=3, label=label, **style)
+
+
+def replot(out: str, plot: Callable[[dict, Path], list[str]], render: Callable[[dict], str]) -> None:
+    """Draw the plots of a saved result (``<out>.json``) again and rewrite ``<out>.md`` with them: measures
+    nothing, so a figure can change without rerunning the benchmark."""
+    path = Path(out)
+    saved = path.with_name(path.name + ".json")
+    result = json.loads(saved.read_text())
+    result["plots"] = plot(result, path)
+    saved.write_text(json.dumps(result, indent=2))
+    path.with_name(path.name + ".md").write_text(render(result))

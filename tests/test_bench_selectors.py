@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadtest.bench_selectors import TASKS, Case, _forced_metrics, correct, make_cases, replot, summarize
+from loadtest.bench_selectors import TASKS, Case, _forced_metrics, _render, correct, make_cases, plot, summarize
+from loadtest.plots import replot
 from loadtest.stats import wilson
 
 
@@ -85,7 +86,7 @@ def test_a_saved_result_is_replotted_and_its_markdown_embeds_the_curves(tmp_path
               "contexts": [2000], "cases": 2, "budgets": [0.1, 0.5], "summary": summarize(rows), "rows": rows}
     out = tmp_path / "selectors"
     (tmp_path / "selectors.json").write_text(json.dumps(result))
-    replot(str(out))
+    replot(str(out), plot, _render)
     saved = json.loads((tmp_path / "selectors.json").read_text())
     assert [Path(p).name for p in saved["plots"]] == ["selectors-kl.png", "selectors-agreement.png"]
     for name in ("selectors-kl.png", "selectors-agreement.png"):
