@@ -36,6 +36,7 @@ from loadtest.stats import mean_interval, wilson
 from loadtest.workload import CHECKABLE, FREE_FORM, distinct_n, repetition_rate
 
 SAMPLERS = ("fixed", "dynatemp", "mirostat", "ours")
+OFFSET = 5.0  # nats between the stacked traces of the one-output plot
 KNOB_RANGE = {"fixed": (0.05, 2.5), "dynatemp": (0.05, 2.5), "mirostat": (0.5, 14.0), "ours": (0.05, 8.0)}
 
 
@@ -218,14 +219,16 @@ def plot(result: dict, out: Path) -> list[str]:
                             color=line.get_color(), alpha=0.12)
         ax.axhline(result["target"], color="grey", lw=1, ls="--", label="target mean")
 
-    def one(ax) -> None:
-        for name, r in rows.items():
-            ax.plot(r["first_output_entropy"], label=name, lw=1)
+    def one(ax) -> None:  # stacked, each trace raised by OFFSET, so that four jagged lines stay readable
+        for i, (name, r) in enumerate(rows.items()):
+            (line,) = ax.plot([h + i * OFFSET for h in r["first_output_entropy"]], label=name, lw=1)
+            ax.axhline(i * OFFSET, color=line.get_color(), lw=0.5, ls=":")
 
     return [save_figure(out, "entropy", "Entropy per generated token, mean over outputs (band: one sd)",
                         "generated token", "entropy of the sampled distribution (nats)", mean),
             save_figure(out, "entropy-one-output", "Entropy per generated token, one output per sampler "
-                        "(same prompt and seed)", "generated token", "entropy (nats)", one)]
+                        "(same prompt and seed)", "generated token",
+                        f"entropy (nats), raised {OFFSET:g} per sampler", one)]
 
 
 def _render(result: dict) -> str:
@@ -268,7 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default="docs/results/samplers")
+    parser.add_argument("--replot", action="store_true", help="measure nothing: draw the plots of the saved "
+                        "<out>.json and rewrite <out>.md with them")
     args = parser.parse_args(argv)
+    if args.replot:
+        from loadtest.plots import replot
+
+        replot(args.out, plot, _render)
+        return 0
 
     from loadtest.machine import publish
 
