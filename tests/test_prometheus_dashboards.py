@@ -96,9 +96,21 @@ def _load(client, model: str) -> None:
     client.completions.create(model=model, prompt="My favourite animal is the", max_tokens=4, temperature=1.0,
                               extra_body={"entropic": {"decoding": "epic", "alpha": 0.5, "horizon": 2,
                                                        "max_candidates": 4}})
+    # The same ~300-token prompt three times, one after another: with two replicas, two of them land on the
+    # same one, and the later finds the prompt's full blocks in its prefix cache (the hit-rate panel's hits)
+    shared = "Here is a list of colours: " + ", ".join(["red", "green", "blue", "amber", "violet"] * 30) + ". The"
+    for _ in range(3):
+        client.completions.create(model=model, prompt=shared, max_tokens=2, temperature=0)
 
 
-def _every_panel_query_returns_series(prometheus: str, may_be_empty=lambda expr: False) -> None:
+def _as_grafana_sends(expr: str, model: str) -> str:
+    # The model_name variable set to the served model as Grafana's Prometheus data source substitutes it:
+    # regex-escaped, then escaped again for PromQL's double-quoted string
+    regex = re.escape(model).replace("\\", "\\\\")
+    return expr.replace("$__rate_interval", "1m").replace("$model_name", regex)
+
+
+def _every_panel_query_returns_series(prometheus: str, model: str, may_be_empty=lambda expr: False) -> None:
     deadline = time.time() + 60
     body = json.loads((dashboards.OUT / "entropic-serve.json").read_text())
     pending = dashboards.queries(body)
@@ -107,7 +119,7 @@ def _every_panel_query_returns_series(prometheus: str, may_be_empty=lambda expr:
         failures = []
         for title, expr in pending:
             response = httpx.get(f"{prometheus}/api/v1/query", timeout=10,
-                                 params={"query": expr.replace("$__rate_interval", "1m")})
+                                 params={"query": _as_grafana_sends(expr, model)})
             result = response.json()
             assert result["status"] == "success", (title, expr, result)
             if not result["data"]["result"]:
@@ -121,10 +133,32 @@ def _every_panel_query_returns_series(prometheus: str, may_be_empty=lambda expr:
 
 
 def test_every_panel_query_returns_series(prometheus, client, served_model):
+    """Except Serve's own series, which only the Ray metrics path carries (the merged page has none)."""
     _load(client, served_model)
     time.sleep(3)
     _load(client, served_model)
-    _every_panel_query_returns_series(prometheus)
+    _every_panel_query_returns_series(prometheus, served_model, may_be_empty=lambda expr: "ray_serve_" in expr)
+
+
+def test_the_model_variable_filters_exactly_the_series_that_carry_a_model(server, client, served_model):
+    """A panel filters a metric by ``model_name`` if and only if the replicas' series of it carry that label:
+    a filter on a series without it would empty the panel whenever one model is picked."""
+    _load(client, served_model)
+    page = httpx.get(f"{server}/metrics", timeout=10).text
+    labelled: dict[str, bool] = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            name = re.split(r"[{ ]", line, maxsplit=1)[0]
+            labelled[name] = labelled.get(name, False) or 'model_name="' in line
+    body = json.loads((dashboards.OUT / "entropic-serve.json").read_text())
+    checked = 0
+    for title, expr in dashboards.queries(body):
+        for name, selector in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\[", expr) + re.findall(
+                r"\(([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\)", expr):
+            if name in labelled:
+                assert ("model_name" in selector) == labelled[name], (title, name, expr)
+                checked += 1
+    assert checked >= 40
 
 
 def _value(prometheus: str, query: str) -> float | None:
@@ -206,7 +240,7 @@ def test_every_panel_query_returns_series_on_the_ray_path(prometheus_ray, server
         return bool(names) and all(merged_total(server, name) == 0 for name in names)
 
     _load(client, served_model)
-    _every_panel_query_returns_series(prometheus_ray, may_be_empty=counters_all_zero)
+    _every_panel_query_returns_series(prometheus_ray, served_model, may_be_empty=counters_all_zero)
 
 
 def test_the_alert_rules_load_and_evaluate_on_the_served_series(prometheus):
