@@ -119,3 +119,24 @@ def test_entropy_trajectories_are_drawn_per_sampler(tmp_path):
     paths = plot({"samplers": rows, "target": 1.1}, tmp_path / "samplers")
     assert [p.rsplit("/", 1)[1] for p in paths] == ["samplers-entropy.png", "samplers-entropy-one-output.png"]
     assert all(open(p, "rb").read(4) == b"\x89PNG" for p in paths)
+
+
+def test_a_tiny_comparison_runs_end_to_end_and_draws_its_trajectories(tmp_path, model_dir):
+    """The harness on the default model at the smallest size that exercises every step (tuning, evaluation,
+    perplexity, plots), so it does not rot between the runs published in docs/results."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "samplers"
+    subprocess.run([sys.executable, "-m", "loadtest.bench_samplers", "--target", "1.0", "--samples", "1", "--seeds",
+                    "1", "--max-tokens", "6", "--tune-samples", "1", "--bisect-steps", "1", "--threads", "1",
+                    "--batch", "8", "--out", str(out)],
+                   check=True, cwd=Path(__file__).resolve().parents[1], capture_output=True, timeout=600)
+    result = json.loads((tmp_path / "samplers.json").read_text())
+    assert list(result["samplers"]) == ["fixed", "dynatemp", "mirostat", "ours"]
+    for row in result["samplers"].values():
+        assert 1 <= len(row["entropy_trajectory"]["mean"]) <= 6 and len(row["first_output_entropy"]) <= 6
+    assert all(Path(p).exists() for p in result["plots"])
+    assert "samplers-entropy.png" in (tmp_path / "samplers.md").read_text()
