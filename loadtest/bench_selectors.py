@@ -259,8 +259,18 @@ def summarize(rows: list[dict]) -> list[dict]:
                                   for c in sorted({r["context"] for r in mine if r["task"] == "natural"})}
         if selector in ("entropy", "quest"):
             entry["kl_minus_fixed"] = mean_interval(_paired_kl(rows, selector, budget))
+        entry["speed_vs_dense"] = _speed_vs_dense(rows, mine)
         out.append(entry)
     return out
+
+
+def _speed_vs_dense(rows: list[dict], mine: list[dict]) -> float | None:
+    """Geometric mean, over the task and context groups, of dense's wall time for the group over this
+    configuration's: above 1 is faster than dense."""
+    dense = {(r["task"], r["context"]): r["seconds"] for r in rows if r["selector"] == "dense"}
+    ratios = [dense[(r["task"], r["context"])] / r["seconds"] for r in mine
+              if (r["task"], r["context"]) in dense and r["seconds"] > 0]
+    return math.exp(st.fmean(math.log(x) for x in ratios)) if ratios else None
 
 
 def _paired_kl(rows: list[dict], selector: str, budget: float) -> list[float]:
@@ -284,10 +294,14 @@ def _render(result: dict) -> str:
               f"{result['max_step'] if result['max_step'] is not None else 'the deployment default'}; `fixed` and "
               f"`quest` keep what `entropy` kept on the same prompts; {surprisal}. Intervals: 95% over cases (Wilson "
               "for proportions, normal for means). Accuracy of dense shows which tasks are within this model's "
-              "reach. Paired: per natural-text case, the selector's KL minus `fixed`'s at the same budget.", "",
+              "reach. Paired: per natural-text case, the selector's KL minus `fixed`'s at the same budget. Speed: "
+              "dense's wall time over the configuration's, per task and length group (geometric mean), in this run; "
+              "configurations run one after another, not alternated, and outputs are 8-32 tokens, so this is "
+              "mostly what selection costs or saves over a few decode steps, order effects included.", "",
               "| selector | budget | kept | " + " | ".join(TASKS[:-1]) + " | same output as dense | "
-              "teacher-forced top-1 agreement | mean KL (nats) | paired KL - fixed's | KL by context |",
-              "|" + "---|" * (len(TASKS) + 8)]
+              "teacher-forced top-1 agreement | mean KL (nats) | paired KL - fixed's | KL by context | "
+              "speed vs dense |",
+              "|" + "---|" * (len(TASKS[:-1]) + 9)]
 
     def proportion(v: Any) -> str:
         return "-" if v is None else f"{v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}]"
@@ -300,7 +314,8 @@ def _render(result: dict) -> str:
         lines.append(f"| {e['selector']} | {e['budget'] if e['budget'] is not None else '-'} | {e['kept']:.3f} | "
                      + " | ".join(proportion(e["accuracy"].get(t)) for t in TASKS[:-1])
                      + f" | {proportion(e['same_as_dense'])} | {mean(e['agreement'], 3)} | {mean(e['kl'], 4)} | "
-                     f"{mean(e.get('kl_minus_fixed'), 4)} | {by_context} |")
+                     f"{mean(e.get('kl_minus_fixed'), 4)} | {by_context} | "
+                     + ("-" if e.get("speed_vs_dense") is None else f"{e['speed_vs_dense']:.2f}x") + " |")
     if result.get("plots"):
         lines += ["", "Quality against the fraction of blocks kept, per selector (95% intervals over cases; dense "
                   "at 1.0):", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in result["plots"]]
@@ -358,7 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         from loadtest.plots import replot
 
-        replot(args.out, plot, _render)
+        def summarized(result: dict, path: Path) -> list[str]:  # the summary again too: a pure function of rows
+            result["summary"] = summarize(result["rows"])
+            return plot(result, path)
+
+        replot(args.out, summarized, _render)
         return 0
     measured = asyncio.run(measure(args))
     summary = summarize(measured["rows"])

@@ -92,3 +92,13 @@ def test_a_saved_result_is_replotted_and_its_markdown_embeds_the_curves(tmp_path
     for name in ("selectors-kl.png", "selectors-agreement.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({name})" in (tmp_path / "selectors.md").read_text()
+
+
+def test_speed_against_dense_is_the_geometric_mean_of_its_per_group_ratios():
+    rows = [{**_row("dense", None, "passkey", 2000, kept=1.0, correct=[True], same_as_dense=[True]), "seconds": 2.0},
+            {**_row("dense", None, "passkey", 4000, kept=1.0, correct=[True], same_as_dense=[True]), "seconds": 4.0},
+            {**_row("fixed", 0.5, "passkey", 2000, kept=0.5, correct=[True], same_as_dense=[True]), "seconds": 1.0},
+            {**_row("fixed", 0.5, "passkey", 4000, kept=0.5, correct=[True], same_as_dense=[True]), "seconds": 8.0}]
+    dense, fixed = summarize(rows)
+    assert dense["speed_vs_dense"] == pytest.approx(1.0)
+    assert fixed["speed_vs_dense"] == pytest.approx(math.sqrt(2.0 * 0.5))  # 2x faster on one, 2x slower on the other
