@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 
-def save_figure(out: Path, suffix: str, title: str, xlabel: str, ylabel: str, draw: Callable[[Any], None],
-                legend: bool = True) -> str:
+def save_figure(out: Path, suffix: str, title: str, xlabel: str, ylabel: str, draw: Callable[[Any], None]) -> str:
     """Draw on a fresh axes with ``draw(ax)`` and save it as ``<out>-<suffix>.png``; returns that path."""
     import matplotlib
 
@@ -19,8 +18,7 @@ def save_figure(out: Path, suffix: str, title: str, xlabel: str, ylabel: str, dr
     draw(ax)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
-    if legend:
-        ax.legend(fontsize=8)
+    ax.legend(fontsize=8)
     path = out.with_name(f"{out.name}-{suffix}.png")
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)

@@ -39,10 +39,10 @@ class Row:
 MODEL = 'model_name=~"$model_name"'
 
 
-def by_model(metric: str, extra: str = "") -> str:
+def by_model(metric: str) -> str:
     """``metric`` restricted to the models the ``model_name`` variable selects (series our replicas and vLLM's
     engines label with ``model_name``; the controller's and the ingress's carry no model and are not filtered)."""
-    return f"{metric}{{{MODEL}{', ' + extra if extra else ''}}}"
+    return f"{metric}{{{MODEL}}}"
 
 
 def quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99), model: bool = True,
@@ -51,10 +51,8 @@ def quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99), model: boo
     return {f"{prefix}p{int(q * 100)}": f"histogram_quantile({q}, sum by (le) (rate({bucket}[{RATE}])))" for q in qs}
 
 
-def mean(metric: str, model: bool = True) -> str:
-    total, count = (by_model(f"{metric}_sum"), by_model(f"{metric}_count")) if model else (f"{metric}_sum",
-                                                                                           f"{metric}_count")
-    return f"sum(rate({total}[{RATE}])) / sum(rate({count}[{RATE}]))"
+def mean(metric: str) -> str:
+    return f"sum(rate({by_model(metric + '_sum')}[{RATE}])) / sum(rate({by_model(metric + '_count')}[{RATE}]))"
 
 
 def heatmap(metric: str) -> dict[str, str]:
