@@ -191,6 +191,11 @@ def test_sigterm_lets_streams_finish_and_refuses_new_requests_meanwhile(own_serv
         usage = json.loads(s["lines"][-2].removeprefix("data: "))["usage"]
         assert usage["completion_tokens"] == TOKENS
     answered = [p for p in probes if p[0] != "refused"]
-    assert answered, f"no request was sent while the streams drained: {probes}"
-    assert all(p == (503, "5", "ServiceUnavailableError") for p in answered), probes
+    # The drain begins once the signal has reached the server's main thread and the ingress has been told
+    # (a Ray call): a probe that arrives before that is served in full, as it should be (a CI run: one 200,
+    # then only 503s). From the first 503 on, nothing new is served.
+    first_refusal = next((i for i, p in enumerate(answered) if p[0] == 503), None)
+    assert first_refusal is not None, f"no request was refused while the streams drained: {probes}"
+    assert all(p[0] == 200 for p in answered[:first_refusal]), probes
+    assert all(p == (503, "5", "ServiceUnavailableError") for p in answered[first_refusal:]), probes
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
