@@ -166,6 +166,45 @@ def test_a_stop_token_ends_the_sequence_so_its_lookahead_entropy_is_zero(core):
     assert all(looks[n] > 0 for n in names if n != eos) and len(names) == len(logprobs) == 8
 
 
+def test_untilted_tokens_are_one_engine_request_where_the_engine_samples_alike(core):
+    """Where every remaining token is drawn untilted (α = 0, or the rollout budget spent), the rest of the output
+    is one engine request sampling top-``max_candidates`` (counted here as the engine requests the runner was
+    given), not one request per token; with top-p the engine would sample otherwise, so each token is drawn."""
+    started: list[str] = []
+    generate = core.runner.generate
+
+    def counting(request_id, *args):
+        started.append(request_id)
+        return generate(request_id, *args)
+
+    def run(extra, epic):
+        started.clear()
+        body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True, **extra,
+                "entropic": {"decoding": "epic", "max_candidates": 4, **epic}}
+        core.runner.generate = counting
+        try:
+            [deltas] = _run(core, [body])
+        finally:
+            core.runner.generate = generate
+        steps = [s for d in deltas for s in d.epic]
+        text = "".join(d.text for d in deltas)
+        assert len(steps) == 10 and deltas[-1].finish_reason == "length" and text, (steps, deltas[-1])
+        assert all(len(d.entropy) == len(d.token_ids) for d in deltas)
+        return steps, [k for k in started if "-epic-" in k]
+
+    steps, requests = run({}, {"alpha": 0.0})
+    assert len(requests) == 1 and all(s.exact and s.candidates_evaluated == 0 for s in steps)
+    steps, requests = run({"top_p": 0.95}, {"alpha": 0.0})
+    assert len(requests) == 10, "top-p: each token drawn over the nucleus's candidates"
+    # a budget of one candidate's rollout: the first token is tilted, the nine after it are not. At α = 2 the
+    # admissible bounds are 2·2·log V ≈ 43 nats wide, more than any gap between the top 4 perturbed scores: no
+    # candidate is ruled out unevaluated, so exactly one is evaluated
+    steps, requests = run({}, {"alpha": 2.0, "horizon": 2, "rollout_budget": 2})
+    assert steps[0].candidates_evaluated == 1 and steps[0].rollout_tokens == 2
+    assert all(not s.exact and s.candidates_evaluated == 0 for s in steps[1:])
+    assert len(requests) == 1 + 1 + 1, "the first token's distribution, its one rollout, then the rest"
+
+
 def test_epic_refuses_what_it_cannot_honour(core):
     from workers.errors import InvalidRequest
 

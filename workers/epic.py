@@ -13,6 +13,9 @@ pruning and telemetry with everything else the replica serves. Per output token:
    rollouts of k tokens from prefix + candidate (sampled as the request asks, stopping at EOS), whose
    per-step entropies (the telemetry our logits processor records) give the Rao-Blackwellised Ĥ.
 
+Where every remaining token is drawn untilted (α = 0, or a spent rollout budget) and the engine's top-k
+sampling draws alike, the rest is one engine request instead (``_Request._rest_in_one_request``).
+
 The support is the ``max_candidates`` most likely tokens, as top-k sampling's is (the paper's
 implementation draws among the finite scores its top-k warper leaves): so α = 0 is top-k sampling with
 k = max_candidates, and a draw is exact, given the estimated entropies, on that support. A token is
@@ -110,37 +113,68 @@ class _Request:
         self.stops = {t for t in (eos, *(params.stop_token_ids or [])) if t is not None}
 
     async def run(self, prompt_ids: list[int]) -> AsyncIterator[Delta]:
-        params, control = self.params, self.control
+        control = self.control
         prefix = list(prompt_ids)
-        out: list[int] = []
-        text_sent, trace, spent = "", EntropyTrace(), 0
+        emit = _Emitter(self, prompt_ids)
+        spent = 0
         following: _Next | None = None
         while True:
+            if self._untilted_from(spent) and self._engine_samples_alike():
+                async for delta in self._rest_in_one_request(prefix, emit, exact=self.alpha == 0):
+                    yield delta
+                return
             nxt = following or await self._next(prefix)
             if not nxt.ids:  # every logprob was -inf: nothing can be drawn
                 raise RuntimeError("the engine returned no finite logprob for the next token")
             token, step, following = await self._draw(prefix, nxt, control.rollout_budget - spent)
             spent += step.rollout_tokens
             prefix.append(token)
-            out.append(token)
-            if nxt.entropy is not None:
-                trace.add(nxt.entropy)
-            finish = "stop" if token in self.stops else ("length" if len(out) >= params.max_tokens else None)
-            text = self.tokenizer.decode(out, skip_special_tokens=params.skip_special_tokens)
-            cut = _stop_string(text, params.stop or [], params.include_stop_str_in_output)
-            if cut is not None:
-                text, finish = cut, "stop"
-            held = finish is None and text.endswith("\ufffd")  # half a character: wait for the rest
-            new_text = "" if held else text[len(text_sent):]
-            if not held:
-                text_sent = text
-            yield Delta(token_ids=[token], text=new_text, entropy=[] if nxt.entropy is None else [nxt.entropy],
-                        temperature=[float(params.temperature)], finished=finish is not None, finish_reason=finish,
-                        prompt_tokens=len(prompt_ids), completion_tokens=len(out), entropic_time=trace.tau,
-                        mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[step],
-                        prompt_token_ids=list(prompt_ids) if len(out) == 1 else None)
-            if finish is not None:
+            delta = emit(token, nxt.entropy, step)
+            yield delta
+            if delta.finished:
                 return
+
+    # --- untilted tokens: the engine's own sampling ---------------------------------------------
+    def _untilted_from(self, spent: int) -> bool:
+        """Every token from here on is drawn untilted: α = 0, or a rollout budget too spent for one more
+        candidate (it never grows back)."""
+        per_candidate = self.control.horizon * self.control.rollouts
+        return self.alpha == 0 or self.control.rollout_budget - spent < per_candidate
+
+    def _engine_samples_alike(self) -> bool:
+        """Whether the engine, told top-k = ``max_candidates``, samples exactly what an untilted draw does:
+        Gumbel-Max over the ``max_candidates`` most likely tokens of q. Not with top-p, which vLLM applies
+        after top-k (a nucleus of the top-k distribution, not the top-k of the nucleus), nor with presence or
+        frequency penalties, which count only a request's own output (a draw's one-token requests have none)."""
+        p = self.params
+        return p.top_p >= 1.0 and not p.presence_penalty and not p.frequency_penalty
+
+    async def _rest_in_one_request(self, prefix: list[int], emit: _Emitter, exact: bool) -> AsyncIterator[Delta]:
+        """The rest of the output as one engine request sampling top-``max_candidates``: one decode step per
+        token, where a draw of its own costs an engine request per token (its prefill of the last partial
+        KV block included)."""
+        sub, p = self._params(self.params.max_tokens - emit.count, logprobs=None)
+        requested = p.top_k if p.top_k and p.top_k > 0 else self.control.max_candidates
+        p.top_k = min(requested, self.control.max_candidates)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prefix)}
+        if self.salt:
+            prompt["cache_salt"] = self.salt
+        self.live.add(sub)
+        try:
+            # leaving this loop early (a stop string) closes the engine's stream, which aborts its request
+            async for engine_delta in self.decoder.runner.generate(sub, prompt, p, len(prefix)):
+                for i, token in enumerate(engine_delta.token_ids):
+                    entropy = engine_delta.entropy[i] if i < len(engine_delta.entropy) else None
+                    step = EpicStep(lookahead_entropy=None, candidates_evaluated=0, rollout_tokens=0, exact=exact)
+                    delta = emit(token, entropy, step)
+                    yield delta
+                    if delta.finished:
+                        return
+                if engine_delta.finished:  # ended by the engine where a draw would not have (the model's length)
+                    yield emit.end(engine_delta.finish_reason or "length")
+                    return
+        finally:
+            self.live.discard(sub)
 
     # --- one token ------------------------------------------------------------------------------
     async def _draw(self, prefix: list[int], nxt: _Next, budget: int) -> tuple[int, EpicStep, _Next | None]:
@@ -165,7 +199,7 @@ class _Request:
         return nxt.ids[winner], step, chosen.following if chosen is not None else None
 
     # --- engine requests ------------------------------------------------------------------------
-    def _params(self, max_tokens: int, logprobs: int) -> tuple[str, Any]:
+    def _params(self, max_tokens: int, logprobs: int | None) -> tuple[str, Any]:
         sub = f"{self.key}-epic-{next(self.decoder._ids)}"
         p = self.params.clone()
         p.n, p.max_tokens, p.min_tokens, p.logprobs = 1, max_tokens, 0, logprobs
@@ -201,6 +235,48 @@ class _Request:
         return _Lookahead(entropy=rao_blackwell_lookahead(entropies),
                           tokens=sum(len(d.token_ids) for deltas in runs for d in deltas),
                           following=_first_position(runs[0], control.max_candidates))
+
+
+class _Emitter:
+    """An EPIC request's output, token by token: its text (stop strings cut, half characters held back), its
+    end, its entropy trace, and the delta each token makes."""
+
+    def __init__(self, request: _Request, prompt_ids: list[int]) -> None:
+        self.request, self.prompt_ids = request, prompt_ids
+        self.out: list[int] = []
+        self.text_sent = ""
+        self.trace = EntropyTrace()
+
+    @property
+    def count(self) -> int:
+        return len(self.out)
+
+    def end(self, reason: str) -> Delta:
+        trace = self.trace
+        return Delta(token_ids=[], text="", entropy=[], temperature=[], finished=True, finish_reason=reason,
+                     prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.out), entropic_time=trace.tau,
+                     mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[])
+
+    def __call__(self, token: int, entropy: float | None, step: EpicStep) -> Delta:
+        request, params, out = self.request, self.request.params, self.out
+        out.append(token)
+        if entropy is not None:
+            self.trace.add(entropy)
+        finish = "stop" if token in request.stops else ("length" if len(out) >= params.max_tokens else None)
+        text = request.tokenizer.decode(out, skip_special_tokens=params.skip_special_tokens)
+        cut = _stop_string(text, params.stop or [], params.include_stop_str_in_output)
+        if cut is not None:
+            text, finish = cut, "stop"
+        held = finish is None and text.endswith("\ufffd")  # half a character: wait for the rest
+        new_text = "" if held else text[len(self.text_sent):]
+        if not held:
+            self.text_sent = text
+        trace = self.trace
+        return Delta(token_ids=[token], text=new_text, entropy=[] if entropy is None else [entropy],
+                     temperature=[float(params.temperature)], finished=finish is not None, finish_reason=finish,
+                     prompt_tokens=len(self.prompt_ids), completion_tokens=len(out), entropic_time=trace.tau,
+                     mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[step],
+                     prompt_token_ids=list(self.prompt_ids) if len(out) == 1 else None)
 
 
 def _first_position(deltas: list[Delta], top: int) -> _Next:
