@@ -5,6 +5,8 @@
 #   docker build -t entropic-serve:cpu .
 #   docker build -t entropic-serve:gpu --build-arg TARGET=gpu --build-arg BASE=rayproject/ray:2.60.0-py311-cu128 .
 #
+# The GPU image's torch (PyPI, 2.13.0+cu130) brings its own CUDA runtime: its nodes need a driver for CUDA 13.0.
+#
 # BASE: Ray's own image for the Ray version pyproject.toml pins (tests/test_container.py checks they agree),
 # or any Debian/Ubuntu image with Python 3.10-3.12 where registries cannot be reached (k8s/README.md).
 ARG BASE=rayproject/ray:2.60.0-py311-cpu
