@@ -271,7 +271,8 @@ def _render(result: dict) -> str:
     from loadtest.machine import header
 
     lines = header(result, "EPIC against temperature, top-k, top-p, min-p, typical and the entropy law",
-                   f"the replica core, {result['engine']}, {result['dtype']}")
+                   f"the replica core, {result['engine']}, {result['dtype']}"
+                   + (f", KV blocks of {result['block_size']} tokens" if "block_size" in result else ""))
     ce = result["reference_ce"]
     lines += [f"{result['passages']} passages of Python's documentation ({result['context']}-token prompts; even "
               f"passages tune each knob, odd ones are held out), {result['samples']} samples per prompt and round, "
@@ -318,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=None, help="a subset of the methods (plain always runs)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="run the engine eager (skips compiling: a quicker start)")
+    parser.add_argument("--block-size", type=int, default=None, help="the engine's KV block size (default: the "
+                        "served one); the prefix cache reuses whole blocks, so each EPIC engine request prefills "
+                        "its prefix's last partial block again")
     parser.add_argument("--out", default="docs/results/epic")
     args = parser.parse_args(argv)
 
@@ -330,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     chosen = [m for m in methods((args.alpha_range[0], args.alpha_range[1]))
               if args.methods is None or m.name == "plain" or m.name in args.methods]
-    engine = EngineConfig(enforce_eager=True) if args.eager else EngineConfig()
+    engine = EngineConfig(enforce_eager=args.eager, block_size=args.block_size)
     core = ReplicaCore(ReplicaConfig(model=args.model, engine=engine), replica_id="bench-epic",
                        metrics_registry=CollectorRegistry(), logits_processors=(Typical,))
     bench = Bench(core, args)
@@ -347,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         fields = asyncio.run(go())
     finally:
         dtype = str(core.runner.engine.model_config.dtype).removeprefix("torch.")
+        block_size = core.runner.engine.vllm_config.cache_config.block_size
         fitted = core.epic_alpha
         core.shutdown()
-    fields |= {"engine": "eager" if args.eager else "compiled", "dtype": dtype, "fitted_alpha": fitted,
+    fields |= {"engine": "eager" if args.eager else "compiled", "dtype": dtype, "block_size": block_size,
+               "fitted_alpha": fitted,
                "passages": len(texts), "context": args.context, "length": args.length, "samples": args.samples,
                "rounds": args.rounds, "concurrency": args.concurrency}
     fields["plots"] = _plot(fields, Path(args.out))
