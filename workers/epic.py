@@ -252,10 +252,12 @@ class _Emitter:
         return len(self.out)
 
     def end(self, reason: str) -> Delta:
-        trace = self.trace
-        return Delta(token_ids=[], text="", entropy=[], temperature=[], finished=True, finish_reason=reason,
-                     prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.out), entropic_time=trace.tau,
-                     mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[])
+        """The last delta where the engine ended the output: no token, the text a half character held back."""
+        params, trace = self.request.params, self.trace
+        text = self.request.tokenizer.decode(self.out, skip_special_tokens=params.skip_special_tokens)
+        return Delta(token_ids=[], text=text[len(self.text_sent):], entropy=[], temperature=[], finished=True,
+                     finish_reason=reason, prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.out),
+                     entropic_time=trace.tau, mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[])
 
     def __call__(self, token: int, entropy: float | None, step: EpicStep) -> Delta:
         request, params, out = self.request, self.request.params, self.out
