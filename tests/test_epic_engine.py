@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 
@@ -203,6 +204,24 @@ def test_untilted_tokens_are_one_engine_request_where_the_engine_samples_alike(c
     assert steps[0].candidates_evaluated == 1 and steps[0].rollout_tokens == 2
     assert all(not s.exact and s.candidates_evaluated == 0 for s in steps[1:])
     assert len(requests) == 1 + 1 + 1, "the first token's distribution, its one rollout, then the rest"
+    # a stop string ends the one request early: cut there, and the engine's request is aborted rather than left
+    # to run to its 2000 tokens (tens of seconds here; an abort takes effect within a step)
+    from deployments.protocol import EntropicCompletionRequest
+
+    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 1.0, "seed": 5, "ignore_eos": True, "stop": ["e"]}
+
+    async def stopped_early():
+        core.start()
+        request = EntropicCompletionRequest(**body)
+        deltas = [d async for d in core.generate("completion", request, {"decoding": "epic", "alpha": 0.0})]
+        deadline = time.monotonic() + 10
+        while core.runner.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the engine request outlived the output it was for"
+            await asyncio.sleep(0.02)
+        return deltas
+
+    deltas = asyncio.run(stopped_early())
+    assert deltas[-1].finish_reason == "stop" and "e" not in "".join(d.text for d in deltas)
 
 
 def test_epic_refuses_what_it_cannot_honour(core):

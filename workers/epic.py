@@ -34,6 +34,7 @@ import itertools
 import math
 import random
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,25 +157,26 @@ class _Request:
         sub, p = self._params(self.params.max_tokens - emit.count, logprobs=None)
         requested = p.top_k if p.top_k and p.top_k > 0 else self.control.max_candidates
         p.top_k = min(requested, self.control.max_candidates)
-        prompt: dict[str, Any] = {"prompt_token_ids": list(prefix)}
-        if self.salt:
-            prompt["cache_salt"] = self.salt
-        self.live.add(sub)
-        try:
-            # leaving this loop early (a stop string) closes the engine's stream, which aborts its request
-            async for engine_delta in self.decoder.runner.generate(sub, prompt, p, len(prefix)):
+        # The engine's stream is closed before the last delta goes out, which aborts its request where a stop
+        # string ended the output early: the caller stops reading at the last delta, so a close after it would be
+        # left to the garbage collector (a later turn of the loop, or never if the loop ends first).
+        last: Delta | None = None
+        async with aclosing(self._stream(list(prefix), sub, p)) as stream:
+            async for engine_delta in stream:
                 for i, token in enumerate(engine_delta.token_ids):
                     entropy = engine_delta.entropy[i] if i < len(engine_delta.entropy) else None
                     step = EpicStep(lookahead_entropy=None, candidates_evaluated=0, rollout_tokens=0, exact=exact)
                     delta = emit(token, entropy, step)
-                    yield delta
                     if delta.finished:
-                        return
-                if engine_delta.finished:  # ended by the engine where a draw would not have (the model's length)
-                    yield emit.end(engine_delta.finish_reason or "length")
-                    return
-        finally:
-            self.live.discard(sub)
+                        last = delta
+                        break
+                    yield delta
+                if last is None and engine_delta.finished:  # ended by the engine (the model's length)
+                    last = emit.end(engine_delta.finish_reason or "length")
+                if last is not None:
+                    break
+        if last is not None:
+            yield last
 
     # --- one token ------------------------------------------------------------------------------
     async def _draw(self, prefix: list[int], nxt: _Next, budget: int) -> tuple[int, EpicStep, _Next | None]:
@@ -210,15 +212,21 @@ class _Request:
                         EXTRA_ARGS_KEY: dataclasses.asdict(dataclasses.replace(self.args, key=sub, control=False))}
         return sub, p
 
-    async def _run(self, ids: list[int], sub: str, params: Any) -> list[Delta]:
+    async def _stream(self, ids: list[int], sub: str, params: Any) -> AsyncIterator[Delta]:
+        """Engine request ``sub`` on ``ids``, in flight (scheduled at this request's π) while iterated."""
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if self.salt:
             prompt["cache_salt"] = self.salt
         self.live.add(sub)
         try:
-            return [d async for d in self.decoder.runner.generate(sub, prompt, params, len(ids))]
+            async with aclosing(self.decoder.runner.generate(sub, prompt, params, len(ids))) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             self.live.discard(sub)
+
+    async def _run(self, ids: list[int], sub: str, params: Any) -> list[Delta]:
+        return [d async for d in self._stream(ids, sub, params)]
 
     async def _next(self, prefix: list[int]) -> _Next:
         deltas = await self._run(prefix, *self._params(1, self.control.max_candidates))
