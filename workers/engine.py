@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,7 +212,7 @@ class EngineRunner:
         except (VLLMClientError, ValueError, TypeError, OverflowError) as exc:
             raise _client_error(exc) from None
 
-    async def generate(self, request_id: str, prompt: Any, params: Any, prompt_tokens: int) -> AsyncIterator[Delta]:
+    async def generate(self, request_id: str, prompt: Any, params: Any, prompt_tokens: int) -> AsyncGenerator[Delta, None]:
         loop = asyncio.get_running_loop()
         args = EntropicArgs.of(params)
         stream = _Stream(loop, asyncio.Queue(), request_id, time.monotonic(), prompt_tokens,

@@ -33,7 +33,7 @@ import dataclasses
 import itertools
 import math
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -212,7 +212,7 @@ class _Request:
                         EXTRA_ARGS_KEY: dataclasses.asdict(dataclasses.replace(self.args, key=sub, control=False))}
         return sub, p
 
-    async def _stream(self, ids: list[int], sub: str, params: Any) -> AsyncIterator[Delta]:
+    async def _stream(self, ids: list[int], sub: str, params: Any) -> AsyncGenerator[Delta, None]:
         """Engine request ``sub`` on ``ids``, in flight (scheduled at this request's π) while iterated."""
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if self.salt:
