@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         fields = asyncio.run(go())
     finally:
         dtype = str(core.runner.engine.model_config.dtype).removeprefix("torch.")
-        block_size = core.runner.engine.vllm_config.cache_config.block_size
+        block_size = core.block_size
         fitted = core.epic_alpha
         core.shutdown()
     fields |= {"engine": "eager" if args.eager else "compiled", "dtype": dtype, "block_size": block_size,

@@ -261,11 +261,9 @@ class _Emitter:
 
     def end(self, reason: str) -> Delta:
         """The last delta where the engine ended the output: no token, the text a half character held back."""
-        params, trace = self.request.params, self.trace
+        params = self.request.params
         text = self.request.tokenizer.decode(self.out, skip_special_tokens=params.skip_special_tokens)
-        return Delta(token_ids=[], text=text[len(self.text_sent):], entropy=[], temperature=[], finished=True,
-                     finish_reason=reason, prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.out),
-                     entropic_time=trace.tau, mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[])
+        return self._delta([], text[len(self.text_sent):], [], [], reason, [])
 
     def __call__(self, token: int, entropy: float | None, step: EpicStep) -> Delta:
         request, params, out = self.request, self.request.params, self.out
@@ -281,13 +279,17 @@ class _Emitter:
         new_text = "" if held else text[len(self.text_sent):]
         if not held:
             self.text_sent = text
-        trace = self.trace
-        return Delta(token_ids=[token], text=new_text, entropy=[] if entropy is None else [entropy],
-                     temperature=[float(params.temperature)], finished=finish is not None, finish_reason=finish,
-                     prompt_tokens=len(self.prompt_ids), completion_tokens=len(out), entropic_time=trace.tau,
-                     mean_entropy=trace.mean, entropy_variance=trace.variance, epic=[step],
-                     prompt_token_ids=list(self.prompt_ids) if len(out) == 1 else None)
+        return self._delta([token], new_text, [] if entropy is None else [entropy], [float(params.temperature)],
+                           finish, [step])
 
+    def _delta(self, tokens: list[int], text: str, entropy: list[float], temperature: list[float],
+               finish: str | None, steps: list[EpicStep]) -> Delta:
+        trace, count = self.trace, len(self.out)
+        return Delta(token_ids=tokens, text=text, entropy=entropy, temperature=temperature,
+                     finished=finish is not None, finish_reason=finish, prompt_tokens=len(self.prompt_ids),
+                     completion_tokens=count, entropic_time=trace.tau, mean_entropy=trace.mean,
+                     entropy_variance=trace.variance, epic=steps,
+                     prompt_token_ids=list(self.prompt_ids) if tokens and count == 1 else None)
 
 def _first_position(deltas: list[Delta], top: int) -> _Next:
     """The distribution of the first generated position: vLLM lists the sampled token first, then the top
