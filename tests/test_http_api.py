@@ -5,6 +5,7 @@ import concurrent.futures as cf
 import json
 import re
 import statistics
+import time
 
 import httpx
 import openai
@@ -193,7 +194,12 @@ def test_kv_pruning_on_the_serving_path(client, served_model):
 
 def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, client, served_model):
     client.completions.create(model=served_model, prompt="Hi", max_tokens=4)
-    text = httpx.get(f"{server}/metrics", timeout=30).text
+    deadline = time.time() + 15  # a replica's metrics reach the merged page with its next once-a-second report
+    while True:
+        text = httpx.get(f"{server}/metrics", timeout=30).text
+        if sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
     running = _metric_values(text, "vllm:num_requests_running")
     assert len({re.search(r'replica="([^"]+)"', k).group(1) for k in running}) == 2, running
     for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
@@ -209,7 +215,7 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
                  "entropic_grant_withheld_steps_total", "entropic_routing_decisions_total",
                  "entropic_dispatch_admissions_total", "entropic_dispatch_queue_length",
                  "entropic_dispatch_wait_seconds_count", "entropic_dispatch_landed_total",
-                 "entropic_remaining_work_model"):
+                 "entropic_remaining_work_model", "entropic_borrowed_core_steps_total"):
         assert _metric_values(text, name), name
     assert sum(_metric_values(text, "entropic_token_entropy_nats_count").values()) > 0
 

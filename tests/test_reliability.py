@@ -281,19 +281,57 @@ def _engine_pids() -> dict[str, int]:
 
 def test_engine_processes_hold_cores_of_their_own(server):
     """workers.cpu_cores: each engine process runs on cores no other engine holds and never on the lowest
-    core, which stays with Serve's proxy and replicas; an engine that found no free core floats."""
+    core, which stays with Serve's proxy and replicas; an engine that found no free core floats. Only the
+    OpenMP workers of a pinned engine's stepping thread may also run on the lowest core, which its prefill
+    steps borrow (workers.step_threads)."""
     cores = sorted(os.sched_getaffinity(0))
-    pinned = []
+    pinned, borrowing = [], []
     for pid in _engine_pids().values():
-        per_thread = {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
-        assert len(per_thread) == 1, per_thread  # the whole process, threads started later included
-        held = per_thread.pop()
+        masks = {int(tid): tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
+        held = masks[pid]  # the process's first thread: pinned before anything else started
+        wider = {tid: mask for tid, mask in masks.items() if mask != held}
+        for tid, mask in wider.items():
+            with open(f"/proc/{pid}/task/{tid}/comm") as comm:  # threads started by the engine thread take its name
+                assert comm.read().strip() == "vllm-engine" and set(mask) == {*held, cores[0]}, (tid, mask, held)
         if held != tuple(cores):
             pinned.append(held)
+            borrowing.append(bool(wider))
     held_cores = [core for held in pinned for core in held]
     assert len(held_cores) == len(set(held_cores)) and cores[0] not in held_cores, pinned
     if len(cores) >= 2:
         assert pinned, "no engine process pinned although a core was free"
+        assert all(borrowing), "a pinned engine's stepping thread has no OpenMP workers on the serving path's core"
+
+
+def test_prefill_steps_of_a_pinned_engine_borrow_the_serving_core_and_decode_steps_do_not(server):
+    """A prompt of ~300 tokens is one step over ``engine.borrow_min_tokens``; its 8 decode steps are not.
+    Requests go to the replicas four at a time until the pinned engine has served some (Serve's router picks
+    the replica; each round lands on the floating one alone with probability ~1/16 or less)."""
+    pinned = [rid for rid, pid in _engine_pids().items() if len(os.sched_getaffinity(pid)) < len(os.sched_getaffinity(0))]
+    if not pinned:
+        pytest.skip("no engine process is pinned on this machine")
+
+    def borrowed() -> float:
+        text = httpx.get(f"{server}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("entropic_borrowed_core_steps_total{") and 'outcome="borrowed"' in line
+                   and f'replica="{pinned[0]}"' in line)
+
+    before, sent = borrowed(), 0
+    prompt = "The quick brown fox jumps over the lazy dog. " * 30
+    for _ in range(10):
+        with cf.ThreadPoolExecutor(4) as pool:
+            bodies = [{"prompt": f"{i} {prompt}", "max_tokens": 8, "ignore_eos": True} for i in range(sent, sent + 4)]
+            for response in pool.map(lambda b: httpx.post(f"{server}/v1/completions", json=b, timeout=120), bodies):
+                assert response.status_code == 200, response.text
+        sent += 4
+        deadline = time.time() + 10  # the replica's metrics reach the merged page once a second
+        while time.time() < deadline and borrowed() == before:
+            time.sleep(0.5)
+        if borrowed() > before:
+            break
+    gained = borrowed() - before
+    assert 1 <= gained <= sent, (gained, sent)  # a prefill step each at most; none of the decode steps
 
 
 def _pid_alive(pid: int) -> bool:

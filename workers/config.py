@@ -46,6 +46,12 @@ class EngineConfig(BaseModel):
     pin_cores: bool = Field(True, description="CPU only: each engine process takes cpu_threads cores of its node "
                             "for itself, never the lowest one, which stays with the serving path "
                             "(workers/cpu_cores.py); False, or too few free cores: the engine floats")
+    borrow_serving_cores: bool = Field(True, description="CPU only, where the engine is pinned: the forward pass "
+                                       "of a step that schedules at least borrow_min_tokens tokens (a prefill "
+                                       "chunk) also runs threads on the cores kept for the serving path, lent to "
+                                       "one engine at a time; decode steps never borrow (workers/step_threads.py)")
+    borrow_min_tokens: int = Field(128, ge=1, description="the smallest step, in scheduled tokens, that borrows "
+                                   "the serving path's cores")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
         "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "

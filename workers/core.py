@@ -33,6 +33,7 @@ from workers.engine import Delta, EngineRunner, configure_process_env
 from workers.epic import EpicDecoder
 from workers.errors import InvalidRequest
 from workers.metrics import ReplicaMetrics
+from workers.step_threads import StepThreads
 from workers.tracking import GrantBoard, PriorityBoard, SequenceTrack
 
 logger = logging.getLogger(__name__)
@@ -46,12 +47,15 @@ class ReplicaCore:
     def __init__(self, config: ReplicaConfig, *, replica_id: str | None = None, node_id: str = "",
                  controller: ControllerLink | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 metrics_registry: Any = None, logits_processors: Sequence[type] = ()) -> None:
+                 metrics_registry: Any = None, logits_processors: Sequence[type] = (),
+                 step_threads: StepThreads | None = None) -> None:
         """``logits_processors``: more vLLM logits processors next to ours (benchmarks' instruments);
-        ``metrics_registry``: a Prometheus registry of its own (several cores in one process)."""
+        ``metrics_registry``: a Prometheus registry of its own (several cores in one process);
+        ``step_threads``: the cores a pinned engine process may borrow for a prefill (workers/process.py)."""
         config = config.layers_on()
         self.config = config
-        configure_process_env(config.engine.threads(), config.engine.kv_cache_space_gib)
+        configure_process_env(step_threads.max_threads if step_threads is not None else config.engine.threads(),
+                              config.engine.kv_cache_space_gib)
         import torch
 
         from workers.model_store import fitted_epic_alpha, resolve_model
@@ -69,7 +73,7 @@ class ReplicaCore:
             engine_kwargs.update(scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority")
         self.runner = EngineRunner(engine_kwargs, on_step=self.metrics.observe_step, on_fatal=on_fatal,
                                    logits_processors=logits_processors, telemetry=config.telemetry,
-                                   on_abort=self.metrics.observe_ended_early)
+                                   on_abort=self.metrics.observe_ended_early, step_threads=step_threads)
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()
         self.epic = EpicDecoder(self.runner)
         self.epic_alpha = fitted_epic_alpha(resolve_model(config.model))
@@ -159,8 +163,10 @@ class ReplicaCore:
     # --- state read by the deployment ----------------------------------------------------------
     def info(self) -> dict[str, Any]:
         leases = self.grants.leases() if self.grants is not None else {}
+        threads = self.runner.step_threads
         return {"replica_id": self.replica_id, "max_model_len": self.runner.max_model_len, "steps": self.runner.steps,
                 "alive": self.runner.alive,
+                "borrowed_steps": threads.steps_borrowed if threads is not None else 0,
                 "priorities": {k: {"pi": pi, "source": src, "lease_steps": leases.get(k)}
                                for k, (pi, src) in self._priorities.items()}}
 
@@ -211,6 +217,8 @@ class ReplicaCore:
         self._reported_active = bool(active)
         self._reported_step, self._reported_keys = step, frozenset(active)
         finished, self._finished = self._finished, {}
+        if send_metrics and self.runner.step_threads is not None:
+            self.metrics.observe_borrowed(self.runner.step_threads.steps_borrowed, self.runner.step_threads.steps_refused)
         states = {k: t.state(now, self.scheduling.prior_drop, self.block_size, self.scheduling.entropy_terms)
                   for k, t in active.items()}
         kv_free, kv_total = self.runner.kv_tokens()

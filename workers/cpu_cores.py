@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 NODE_CORES_ENV = "ENTROPIC_NODE_CORES"
+RESERVED_CORES = 1  # a node's lowest cores no engine claims: the serving path's (engines may borrow them per step)
 
 
 def node_cores() -> set[int]:
@@ -67,7 +68,7 @@ def threads_per_core(cores: set[int] | None = None) -> int:
     return max(1, round(len(cores) / len(physical))) if physical else 1
 
 
-def engine_threads(node_cpus: float, engines: int, smt: int = 1, reserve: int = 1) -> int:
+def engine_threads(node_cpus: float, engines: int, smt: int = 1, reserve: int = RESERVED_CORES) -> int:
     """OpenMP threads for each of ``engines`` engines sharing a node of ``node_cpus`` CPUs (hardware threads,
     ``smt`` of them per physical core): one thread per physical core, with ``reserve`` CPUs left to the
     serving path, which is how vLLM's CPU worker binds its threads by default; at least one."""
@@ -99,7 +100,7 @@ class CoreClaim:
         self._fds.clear()
 
 
-def claim_cores(count: int, *, reserve: int = 1, allowed: set[int] | None = None,
+def claim_cores(count: int, *, reserve: int = RESERVED_CORES, allowed: set[int] | None = None,
                 lock_dir: Path | None = None) -> CoreClaim | None:
     """Take ``count`` free cores from the top of ``allowed`` (default: ``node_cores()``), leaving
     its lowest ``reserve`` cores unclaimed; None when fewer than ``count`` are free."""
@@ -135,7 +136,7 @@ def pin_this_process(cores: tuple[int, ...]) -> None:
             continue
 
 
-def pin_engine_process(count: int, reserve: int = 1) -> CoreClaim | None:
+def pin_engine_process(count: int, reserve: int = RESERVED_CORES) -> CoreClaim | None:
     """Claim and pin for this engine process; None (and a log line) when it floats instead."""
     try:
         claim = claim_cores(count, reserve=reserve)

@@ -21,6 +21,7 @@ from controller.laws.entropic_time import EntropyTrace
 from workers.control_params import EntropicArgs
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved
 from workers.pruning_state import STATE as PRUNING
+from workers.step_threads import StepThreads, wrap_forward
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +135,12 @@ class EngineRunner:
 
     def __init__(self, engine_kwargs: dict[str, Any], on_step: StepObserver | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None, logits_processors: Sequence[type] = (),
-                 telemetry: bool = True, on_abort: Callable[[str], None] | None = None) -> None:
+                 telemetry: bool = True, on_abort: Callable[[str], None] | None = None,
+                 step_threads: StepThreads | None = None) -> None:
         """``telemetry`` False: no entropy logits processor, so the engine is vLLM's as shipped (and
         every ``Delta`` has empty entropy). ``logits_processors``: more processors, in the order vLLM
-        applies them; ours runs first unless the list names ``EntropicLogitsProcessor`` elsewhere."""
+        applies them; ours runs first unless the list names ``EntropicLogitsProcessor`` elsewhere.
+        ``step_threads``: prefill steps' forward passes borrow the serving path's cores (CPU, pinned)."""
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.request import RequestStatus
@@ -151,6 +154,9 @@ class EngineRunner:
                               EntropicLogitsProcessor)
         self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
         processed_logprobs_only_when_asked(model_runner(self.engine).sampler)
+        self.step_threads = step_threads
+        if step_threads is not None:
+            wrap_forward(self.engine, step_threads)
         self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor) if telemetry else None
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
@@ -252,6 +258,8 @@ class EngineRunner:
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+        if self.step_threads is not None and not self._thread.is_alive():
+            self.step_threads.close()
 
     # --- engine thread -----------------------------------------------------------------
     def _add(self, stream: _Stream, prompt: Any, params: Any) -> None:
@@ -342,6 +350,8 @@ class EngineRunner:
     def _loop(self) -> None:
         name_os_thread("vllm-engine")
         try:
+            if self.step_threads is not None:
+                self.step_threads.start()  # this thread's OpenMP pool, before the first step
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
                 self._drain_commands()

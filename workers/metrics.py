@@ -85,6 +85,11 @@ class ReplicaMetrics:
                                          _LOOKAHEAD_BUCKETS)
         self._preemptions = Counter("entropic_priority_preemptions", "Running requests preempted for a higher-π waiting one",
                                     ["model_name"], registry=registry).labels(model_name)
+        borrowed = Counter("entropic_borrowed_core_steps", "Engine steps large enough to borrow the serving path's "
+                           "cores (CPU, pinned engines), by outcome: borrowed, or refused (lent to another engine)",
+                           ["model_name", "outcome"], registry=registry)
+        self._borrowed = {o: borrowed.labels(model_name, o) for o in ("borrowed", "refused")}
+        self._borrowed_seen = (0, 0)
 
     def observe_priorities(self, published) -> None:
         for pi, source in published:
@@ -108,6 +113,13 @@ class ReplicaMetrics:
             self._epic_candidates.observe(step.candidates_evaluated)
             if step.lookahead_entropy is not None:
                 self._epic_lookahead.observe(step.lookahead_entropy)
+
+    def observe_borrowed(self, borrowed: int, refused: int) -> None:
+        """The engine's cumulative counts (workers.step_threads.StepThreads)."""
+        for counter, new, old in zip(self._borrowed.values(), (borrowed, refused), self._borrowed_seen):
+            if new > old:
+                counter.inc(new - old)
+        self._borrowed_seen = (borrowed, refused)
 
     def observe_preemptions(self, count: int) -> None:
         if count > 0:

@@ -39,9 +39,10 @@ from controller.laws.routing import ReplicaLoad
 from controller.messages import ControllerAnswer, TelemetryReport
 from workers.config import ReplicaConfig
 from workers.core import ControllerLink, ReplicaCore
-from workers.cpu_cores import CoreClaim, pin_engine_process
+from workers.cpu_cores import RESERVED_CORES, CoreClaim, node_cores, pin_engine_process
 from workers.engine import Delta, configure_process_env, name_os_thread
 from workers.errors import ReplicaUnavailable, RequestError, RequestFailed
+from workers.step_threads import StepThreads, borrowable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -262,9 +263,9 @@ def run_child(conn: Any, config: ReplicaConfig, replica_id: str, node_id: str, w
     """Entry point of the engine process, named ``engine-<replica id>`` for ``ps``, ``top`` and ``py-spy``."""
     name_os_thread(f"engine-{replica_id}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    claim = _pin(config)  # held until the process exits
+    claim, step_threads = _pin(config)  # the claim is held until the process exits
     try:
-        asyncio.run(_Child(conn, with_controller).serve(config, replica_id, node_id, preload))
+        asyncio.run(_Child(conn, with_controller).serve(config, replica_id, node_id, preload, step_threads))
     finally:
         if claim is not None:
             claim.release()
@@ -272,13 +273,26 @@ def run_child(conn: Any, config: ReplicaConfig, replica_id: str, node_id: str, w
         os._exit(0)
 
 
-def _pin(config: ReplicaConfig) -> CoreClaim | None:
-    if not config.engine.pin_cores:
-        return None
-    configure_process_env(config.engine.threads(), config.engine.kv_cache_space_gib)  # before torch is imported
+def _pin(config: ReplicaConfig) -> tuple[CoreClaim | None, StepThreads | None]:
+    """Claim and pin this engine's cores, and say which it may borrow for a prefill (workers/step_threads.py)."""
+    engine = config.engine
+    if not engine.pin_cores:
+        return None, None
+    configure_process_env(engine.threads(), engine.kv_cache_space_gib)  # before torch is imported
     import torch
 
-    return None if torch.cuda.is_available() else pin_engine_process(config.engine.threads())
+    if torch.cuda.is_available():
+        return None, None
+    node = node_cores()  # before pinning narrows this process's own affinity
+    claim = pin_engine_process(engine.threads())
+    if claim is None or not engine.borrow_serving_cores:
+        return claim, None
+    borrowed = borrowable_cores(node, claim.cores, RESERVED_CORES)
+    if not borrowed:
+        return claim, None
+    logger.info("engine process %d borrows cores %s for steps of at least %d tokens", os.getpid(), list(borrowed),
+                engine.borrow_min_tokens)
+    return claim, StepThreads(claim.cores, borrowed, engine.borrow_min_tokens)
 
 
 class _Child(_PipeEnd):
@@ -291,12 +305,14 @@ class _Child(_PipeEnd):
         self._report_ids = itertools.count()
         self.core: ReplicaCore | None = None
 
-    async def serve(self, config: ReplicaConfig, replica_id: str, node_id: str, preload: tuple[str, ...]) -> None:
+    async def serve(self, config: ReplicaConfig, replica_id: str, node_id: str, preload: tuple[str, ...],
+                    step_threads: StepThreads | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         try:
             self.core = ReplicaCore(config, replica_id=replica_id, node_id=node_id,
-                                    controller=self._report if self._with_controller else None, on_fatal=self._fatal)
+                                    controller=self._report if self._with_controller else None, on_fatal=self._fatal,
+                                    step_threads=step_threads)
             for module in ("workers.prompts", *preload):  # after the engine: vLLM reads its settings at import
                 importlib.import_module(module)
         except BaseException as exc:
