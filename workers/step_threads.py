@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers.cpu_cores import default_lock_dir
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,17 +69,17 @@ class StepThreads:
         cores, then keep the engine thread itself on its own cores."""
         import torch
 
+        directory = self.lock_dir or default_lock_dir()
         try:
-            directory = self.lock_dir or _default_lock_dir()
             directory.mkdir(parents=True, exist_ok=True)
-            fds = {core: os.open(directory / f"borrow-{core}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-                   for core in self.borrowed}
+            for core in self.borrowed:
+                self._fds[core] = os.open(directory / f"borrow-{core}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             os.sched_setaffinity(0, set(self.own_cores) | set(self.borrowed))
         except OSError as exc:  # serve on the own cores rather than not at all
             logger.warning("engine thread borrows no cores: %s", exc)
+            self.close()
             self.borrowed = ()
             return
-        self._fds = fds
         _set_threads(self.max_threads)
         torch.ones(1 << 22).sum()  # one parallel region at full width (at::parallel_for's grain: 32768)
         os.sched_setaffinity(0, set(self.own_cores))
@@ -116,12 +118,6 @@ def _try_lock(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
-
-
-def _default_lock_dir() -> Path:
-    from workers.cpu_cores import default_lock_dir
-
-    return default_lock_dir()
 
 
 def borrowable_cores(node: set[int], own: tuple[int, ...], reserve: int) -> tuple[int, ...]:
