@@ -163,10 +163,8 @@ class ReplicaCore:
     # --- state read by the deployment ----------------------------------------------------------
     def info(self) -> dict[str, Any]:
         leases = self.grants.leases() if self.grants is not None else {}
-        threads = self.runner.step_threads
         return {"replica_id": self.replica_id, "max_model_len": self.runner.max_model_len, "steps": self.runner.steps,
                 "alive": self.runner.alive,
-                "borrowed_steps": threads.steps_borrowed if threads is not None else 0,
                 "priorities": {k: {"pi": pi, "source": src, "lease_steps": leases.get(k)}
                                for k, (pi, src) in self._priorities.items()}}
 
