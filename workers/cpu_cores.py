@@ -113,9 +113,7 @@ def claim_cores(count: int, *, reserve: int = RESERVED_CORES, allowed: set[int] 
         if len(taken) == count:
             break
         fd = os.open(directory / f"core-{core}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_lock(fd):
             os.close(fd)
             continue
         claim._fds.append(fd)
@@ -125,6 +123,15 @@ def claim_cores(count: int, *, reserve: int = RESERVED_CORES, allowed: set[int] 
         return None
     claim.cores = tuple(sorted(taken))
     return claim
+
+
+def try_lock(fd: int) -> bool:
+    """Take the lock file's exclusive ``flock`` if it is free, without waiting."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def pin_this_process(cores: tuple[int, ...]) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.cpu_cores import default_lock_dir
+from workers.cpu_cores import default_lock_dir, try_lock
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class StepThreads:
         then held until ``give_back``); 0 for a small step or when every borrowable core is lent."""
         if scheduled_tokens < self.min_tokens or not self._fds:
             return 0
-        taken = [core for core, fd in self._fds.items() if _try_lock(fd)]
+        taken = [core for core, fd in self._fds.items() if try_lock(fd)]
         if not taken:
             self.steps_refused += 1
             return 0
@@ -110,14 +110,6 @@ class StepThreads:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def borrowable_cores(node: set[int], own: tuple[int, ...], reserve: int) -> tuple[int, ...]:
