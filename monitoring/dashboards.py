@@ -93,9 +93,10 @@ SERVING = [
                            f"{rate_by('vllm:prefix_cache_queries_total', 'replica')}"}, "percentunit",
               description="Prompt tokens found in the prefix cache, of those looked up"),
         Panel("Preemptions per second", {"{{replica}}": rate_by("vllm:num_preemptions_total", "replica")}),
-        Panel("Prefill steps on borrowed cores per second", {
+        Panel("Steps on borrowed cores per second", {
             "{{outcome}}": rate_by("entropic_borrowed_core_steps_total", "outcome")},
-              description="CPU engines: steps large enough to run threads on the serving path's cores too; "
+              description="CPU engines: steps large enough (a prefill, a long-context decode) to run threads on "
+                          "the serving path's cores too; "
                           "refused: lent to another engine of the node at the time (workers/step_threads.py)"),
         Panel("Prompt length", quantiles("vllm:request_prompt_tokens"), "short",
               description="Prompt tokens per finished request"),

@@ -1,4 +1,5 @@
-"""A pinned engine's prefill steps borrow the serving path's core, one engine at a time (workers.step_threads).
+"""A pinned engine's large steps (prefill, long-context decode) borrow the serving path's core, one engine
+at a time (workers.step_threads).
 
 Run in a child process pinned as an engine process is (its own core: the highest; the lent one: the
 lowest), with real affinity, real lock files and torch's real OpenMP threads."""
@@ -38,15 +39,15 @@ CHILD = textwrap.dedent("""
 
     def engine():
         before = set(os.listdir("/proc/self/task"))
-        a = StepThreads(own, lent, min_tokens=128, lock_dir=lock_dir)
-        b = StepThreads(own, lent, min_tokens=128, lock_dir=lock_dir)  # a second engine of the node
+        a = StepThreads(own, lent, min_tokens=128, min_context=8192, lock_dir=lock_dir)
+        b = StepThreads(own, lent, min_tokens=128, min_context=8192, lock_dir=lock_dir)  # a second engine of the node
         a.start(); b.start()
         me = threading.get_native_id()
         pool = [int(t) for t in set(os.listdir("/proc/self/task")) - before if int(t) != me]
         out["engine_thread"] = sorted(os.sched_getaffinity(0))
         out["pool"] = sorted({tuple(sorted(os.sched_getaffinity(t))) for t in pool})
         out["threads_own"] = torch.get_num_threads()
-        out["small"] = a.borrow(127)
+        out["small"] = a.borrow(127, 8191)
         out["large"] = a.borrow(128)
         out["threads_borrowing"] = torch.get_num_threads()
         out["other_engine"] = b.borrow(4096)
@@ -55,7 +56,7 @@ CHILD = textwrap.dedent("""
         out["pool_ticks_borrowing"] = sum(ticks(t) - start[t] for t in pool)
         a.give_back()
         out["threads_after"] = torch.get_num_threads()
-        out["other_engine_after"] = b.borrow(4096)
+        out["other_engine_after"] = b.borrow(8, 8192)  # a decode step over a long context
         b.give_back()
         start = {t: ticks(t) for t in pool}
         work()
@@ -85,3 +86,22 @@ def test_large_steps_run_threads_on_the_lent_core_and_only_one_engine_borrows_it
     # The lent core's thread computes while borrowed (72-131 clock ticks of 10 ms in runs here, ~0.3 s of
     # matmul per thread at the least) and not otherwise (0-1 ticks: spinning after the last region).
     assert out["pool_ticks_borrowing"] >= 20 and out["pool_ticks_own"] * 10 < out["pool_ticks_borrowing"], out
+
+
+def test_a_step_counts_the_context_its_sequences_attend_over() -> None:
+    """``context_tokens`` of vLLM's own ``SchedulerOutput``: a new request's prefix-cache hit and its chunk,
+    and each running request's cached tokens and its one decode token."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    from workers.step_threads import context_tokens
+
+    step = SchedulerOutput.make_empty()
+    step.scheduled_new_reqs = [NewRequestData(req_id="new", prompt_token_ids=list(range(300)), mm_features=[],
+                                              sampling_params=None, pooling_params=None, block_ids=([],),
+                                              num_computed_tokens=64, lora_request=None)]
+    step.scheduled_cached_reqs.req_ids = ["a", "b"]
+    step.scheduled_cached_reqs.num_computed_tokens = [4000, 3000]
+    step.num_scheduled_tokens = {"new": 236, "a": 1, "b": 1}
+    step.total_num_scheduled_tokens = 238
+    assert context_tokens(step) == 64 + 4000 + 3000 + 238
+    assert context_tokens(SchedulerOutput.make_empty()) == 0

@@ -20,7 +20,7 @@ Every touch of a vLLM internal, and where it is:
 - ``workers/engine.py``, ``deployments/logprobs.py``: ``RequestOutput`` logprobs (per position, token id ->
   ``Logprob``, the position's own token first) and ``EngineArgs.logprobs_mode``.
 - ``workers/step_threads.py``: ``wrap_forward`` wraps the in-process executor's ``execute_model`` and reads
-  ``SchedulerOutput.total_num_scheduled_tokens``.
+  ``SchedulerOutput.total_num_scheduled_tokens`` and its requests' ``num_computed_tokens``.
 - ``workers/engine.py``: ``processed_logprobs_only_when_asked`` wraps the model runner's ``Sampler.sample`` and
   sets its ``topk_topp_sampler.logprobs_mode`` per step from ``SamplingMetadata.max_num_logprobs`` and
   ``logprob_token_ids`` (behaviour: ``tests/test_sampler_logprobs.py``).
@@ -317,16 +317,20 @@ def test_the_sampler_calls_its_top_k_top_p_stage_with_the_mode_it_holds():
 
 def test_the_forward_pass_our_step_threads_widen():
     """workers/step_threads.py wraps the in-process executor's ``execute_model``: called by ``EngineCore.step``
-    on the stepping thread with the step's ``SchedulerOutput`` (``total_num_scheduled_tokens``), run there by
+    on the stepping thread with the step's ``SchedulerOutput`` (its scheduled tokens, and the cached tokens of
+    its new and running requests), run there by
     the uniprocess executor; and it calls torch's C binding because vLLM's CPU worker replaces
     ``torch.set_num_threads`` by a warning."""
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     assert "self.model_executor.execute_model(scheduler_output, non_block=True)" in inspect.getsource(EngineCore.step)
-    assert "total_num_scheduled_tokens" in SchedulerOutput.__dataclass_fields__
+    assert {"total_num_scheduled_tokens", "scheduled_new_reqs", "scheduled_cached_reqs"} <= set(
+        SchedulerOutput.__dataclass_fields__)
+    assert "num_computed_tokens" in CachedRequestData.__dataclass_fields__
+    assert "num_computed_tokens" in NewRequestData.__dataclass_fields__
     assert list(inspect.signature(UniProcExecutor.execute_model).parameters) == ["self", "scheduler_output", "non_block"]
     assert "result = run_method(self.driver_worker, method, args, kwargs)" in inspect.getsource(
         UniProcExecutor.collective_rpc)  # in the calling thread, blocking or not

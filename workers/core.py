@@ -51,7 +51,7 @@ class ReplicaCore:
                  step_threads: StepThreads | None = None) -> None:
         """``logits_processors``: more vLLM logits processors next to ours (benchmarks' instruments);
         ``metrics_registry``: a Prometheus registry of its own (several cores in one process);
-        ``step_threads``: the cores a pinned engine process may borrow for a prefill (workers/process.py)."""
+        ``step_threads``: the cores a pinned engine process may borrow for a large step (workers/process.py)."""
         config = config.layers_on()
         self.config = config
         configure_process_env(step_threads.max_threads if step_threads is not None else config.engine.threads(),

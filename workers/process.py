@@ -274,7 +274,7 @@ def run_child(conn: Any, config: ReplicaConfig, replica_id: str, node_id: str, w
 
 
 def _pin(config: ReplicaConfig) -> tuple[CoreClaim | None, StepThreads | None]:
-    """Claim and pin this engine's cores, and say which it may borrow for a prefill (workers/step_threads.py)."""
+    """Claim and pin this engine's cores, and say which it may borrow for a large step (workers/step_threads.py)."""
     engine = config.engine
     if not engine.pin_cores:
         return None, None
@@ -290,9 +290,9 @@ def _pin(config: ReplicaConfig) -> tuple[CoreClaim | None, StepThreads | None]:
     borrowed = borrowable_cores(node, claim.cores, RESERVED_CORES)
     if not borrowed:
         return claim, None
-    logger.info("engine process %d borrows cores %s for steps of at least %d tokens", os.getpid(), list(borrowed),
-                engine.borrow_min_tokens)
-    return claim, StepThreads(claim.cores, borrowed, engine.borrow_min_tokens)
+    logger.info("engine process %d borrows cores %s for steps of at least %d tokens or %d of context", os.getpid(),
+                list(borrowed), engine.borrow_min_tokens, engine.borrow_min_context)
+    return claim, StepThreads(claim.cores, borrowed, engine.borrow_min_tokens, engine.borrow_min_context)
 
 
 class _Child(_PipeEnd):

@@ -1,12 +1,16 @@
-"""OpenMP threads per engine step on CPU: a step that prefills borrows the serving path's core.
+"""OpenMP threads per engine step on CPU: a step with much work borrows the serving path's core.
 
 Why: a pinned engine runs ``cpu_threads`` OpenMP threads on cores of its own, and the node's lowest core
 stays with the serving path (workers/cpu_cores.py), as vLLM's CPU worker leaves one to its API server. A
-decode step gains nothing from more threads (it is bound by memory and per-layer overhead), but a step
-that prefills hundreds of tokens is compute-bound matmuls, which another core nearly halves; and while it
-runs the serving path has little to do, since the step's tokens stream only when it ends. So the forward
-pass of a step that schedules at least ``min_tokens`` tokens also runs threads on the borrowed cores; every
-other step runs on the engine's own.
+step with little work gains little from more threads (a short-context decode step is bound by memory and
+per-layer overhead) and would take the core from the serving path when it is busiest, relaying tokens.
+Two kinds of step have work enough: one that prefills hundreds of tokens (compute-bound matmuls, which
+another core nearly halves), and a decode step that attends over a long context (the attention over tens
+of thousands of cached tokens splits across cores too). While either runs the serving path has little to
+do: a prefill's tokens stream only when it ends, and long-context decode steps come slowly. So the forward
+pass of a step that schedules at least ``min_tokens`` tokens, or whose sequences hold at least
+``min_context`` tokens in all, also runs threads on the borrowed cores; every other step runs on the
+engine's own.
 
 A core is lent to one engine at a time: a step borrows only the cores whose lock it takes at once
 (``flock``, never waiting), so engines sharing a node never stack their threads on one core; a step that
@@ -45,11 +49,13 @@ def _set_threads(count: int) -> None:
 @dataclass
 class StepThreads:
     """The engine thread's OpenMP threads, step by step. ``own_cores``: the cores the engine process claimed
-    (one thread each); ``borrowed``: cores it may borrow for a step of at least ``min_tokens`` tokens."""
+    (one thread each); ``borrowed``: cores it may borrow for a step of at least ``min_tokens`` scheduled
+    tokens or ``min_context`` tokens of context (cached and scheduled, summed over its sequences)."""
 
     own_cores: tuple[int, ...]
     borrowed: tuple[int, ...]
     min_tokens: int
+    min_context: int
     lock_dir: Path | None = None
     steps_borrowed: int = 0  # forward passes that ran on borrowed cores too
     steps_refused: int = 0  # large steps that found every borrowable core lent to another engine
@@ -85,10 +91,12 @@ class StepThreads:
         os.sched_setaffinity(0, set(self.own_cores))
         _set_threads(self.own_threads)
 
-    def borrow(self, scheduled_tokens: int) -> int:
-        """Before a forward pass of ``scheduled_tokens`` tokens: how many cores it borrowed (their locks are
-        then held until ``give_back``); 0 for a small step or when every borrowable core is lent."""
-        if scheduled_tokens < self.min_tokens or not self._fds:
+    def borrow(self, scheduled_tokens: int, context_tokens: int = 0) -> int:
+        """Before a forward pass of ``scheduled_tokens`` tokens over ``context_tokens`` of context: how many
+        cores it borrowed (their locks are then held until ``give_back``); 0 for a small step or when every
+        borrowable core is lent."""
+        small = scheduled_tokens < self.min_tokens and context_tokens < self.min_context
+        if small or not self._fds:
             return 0
         taken = [core for core, fd in self._fds.items() if try_lock(fd)]
         if not taken:
@@ -118,6 +126,13 @@ def borrowable_cores(node: set[int], own: tuple[int, ...], reserve: int) -> tupl
     return tuple(core for core in sorted(node)[:reserve] if core not in own)
 
 
+def context_tokens(scheduler_output: Any) -> int:
+    """The tokens a step's sequences attend over: those cached before it and those it schedules."""
+    cached = sum(scheduler_output.scheduled_cached_reqs.num_computed_tokens)
+    new = sum(request.num_computed_tokens for request in scheduler_output.scheduled_new_reqs)
+    return cached + new + scheduler_output.total_num_scheduled_tokens
+
+
 def wrap_forward(engine: Any, threads: StepThreads) -> None:
     """Run each forward pass of ``engine`` (an in-process ``LLMEngine``) at the threads its size calls for.
 
@@ -128,7 +143,7 @@ def wrap_forward(engine: Any, threads: StepThreads) -> None:
     execute = executor.execute_model
 
     def execute_model(scheduler_output: Any, non_block: bool = False) -> Any:
-        if not threads.borrow(scheduler_output.total_num_scheduled_tokens):
+        if not threads.borrow(scheduler_output.total_num_scheduled_tokens, context_tokens(scheduler_output)):
             return execute(scheduler_output, non_block)
         try:
             return execute(scheduler_output, non_block)
