@@ -26,6 +26,8 @@ Every touch of a vLLM internal, and where it is:
   ``logprob_token_ids`` (behaviour: ``tests/test_sampler_logprobs.py``).
 """
 import inspect
+import os
+from pathlib import Path
 
 import pytest
 import vllm
@@ -301,6 +303,27 @@ def test_engine_env_keeps_a_users_overrides(monkeypatch):
     assert env["VLLM_USE_AOT_COMPILE"] == "1"  # the user's choice
     assert env["OMP_NUM_THREADS"] == "2"  # ours: the replica's thread count is the config's
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_each_engine_of_a_process_starts_with_its_own_environment():
+    """vllm 0.32.0 caches its environment once an engine has started; workers.engine.configure_process_env
+    lifts that cache, and a value it set for an earlier engine is not taken for a user's override. Run in a
+    child process: this one's environment is the rest of the suite's."""
+    import subprocess
+    import sys
+
+    from vllm.v1.engine.core import EngineCore
+
+    assert "enable_envs_cache()" in inspect.getsource(EngineCore.__init__)
+    child = ("import vllm.envs as e; from workers.engine import configure_process_env as c; c(2, 1); "
+             "a = e.VLLM_CPU_KVCACHE_SPACE; e.enable_envs_cache(); c(2, 4); print(a, e.VLLM_CPU_KVCACHE_SPACE)")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    ours = subprocess.run([sys.executable, "-c", child], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert ours.stdout.split() == ["1", "4"], ours.stderr[-2000:]
+    users = subprocess.run([sys.executable, "-c", child], cwd=root, env={**env, "VLLM_CPU_KVCACHE_SPACE": "3"},
+                           capture_output=True, text=True, timeout=120)
+    assert users.stdout.split() == ["3", "3"], users.stderr[-2000:]
 
 
 def test_the_sampler_calls_its_top_k_top_p_stage_with_the_mode_it_holds():

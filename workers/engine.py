@@ -11,9 +11,10 @@ import asyncio
 import logging
 import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from controller.laws.entropic_time import EntropyTrace
 from workers.control_params import EntropicArgs
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved
 from workers.pruning_state import STATE as PRUNING
-from workers.step_threads import StepThreads, wrap_forward
+from workers.step_threads import StepThreads, set_torch_threads, wrap_forward
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,10 @@ logger = logging.getLogger(__name__)
 _OVERRIDABLE = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", "TOKENIZERS_PARALLELISM")
 
 
-def engine_process_env(cpu_threads: int, kv_cache_space_gib: int) -> dict[str, str]:
-    """Environment vLLM reads at import, for a process that runs one in-process engine.
+def engine_process_env(cpu_threads: int, kv_cache_space_gib: int,
+                       overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment vLLM reads at import, for a process that runs one in-process engine; ``overrides``: where a
+    user's own values of the overridable variables are read (this process's environment by default).
 
     * ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core, scheduler and logits processors live in
       this process (see the module docstring).
@@ -50,15 +53,28 @@ def engine_process_env(cpu_threads: int, kv_cache_space_gib: int) -> dict[str, s
         "VLLM_USE_AOT_COMPILE": "0",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    return {k: os.environ.get(k, v) if k in _OVERRIDABLE else v for k, v in env.items()}
+    user = os.environ if overrides is None else overrides
+    return {k: user.get(k, v) if k in _OVERRIDABLE else v for k, v in env.items()}
+
+
+# The overridable variables as this process had them before configure_process_env first set any: a value it
+# set for an earlier engine of the process is not a user's override for the next.
+_USER_ENV: dict[str, str] | None = None
 
 
 def configure_process_env(cpu_threads: int, kv_cache_space_gib: int) -> None:
-    """Apply ``engine_process_env`` to this process: must run before vllm is imported here."""
-    os.environ.update(engine_process_env(cpu_threads, kv_cache_space_gib))
-    import torch
-
-    torch.set_num_threads(cpu_threads)
+    """Apply ``engine_process_env`` to this process, before its next engine starts (before vllm is imported,
+    for the variables read at import)."""
+    global _USER_ENV
+    if _USER_ENV is None:
+        _USER_ENV = {k: os.environ[k] for k in _OVERRIDABLE if k in os.environ}
+    os.environ.update(engine_process_env(cpu_threads, kv_cache_space_gib, _USER_ENV))
+    vllm_envs = sys.modules.get("vllm.envs")
+    if vllm_envs is not None:
+        # vllm 0.32.0 freezes its environment once an engine has started (EngineCore.__init__ calls
+        # enable_envs_cache): a later engine of this process would start with the first one's KV-cache size.
+        vllm_envs.disable_envs_cache()
+    set_torch_threads(cpu_threads)
 
 
 # One position's logprobs as vLLM returned them, as plain data: (token id, logprob, rank, decoded text) for the

@@ -38,7 +38,7 @@ from workers.cpu_cores import default_lock_dir, try_lock
 logger = logging.getLogger(__name__)
 
 
-def _set_threads(count: int) -> None:
+def set_torch_threads(count: int) -> None:
     import torch
 
     # vLLM's CPU worker replaces torch.set_num_threads by a function that only warns (vllm 0.32.0,
@@ -86,10 +86,10 @@ class StepThreads:
             self.close()
             self.borrowed = ()
             return
-        _set_threads(self.max_threads)
+        set_torch_threads(self.max_threads)
         torch.ones(1 << 22).sum()  # one parallel region at full width (at::parallel_for's grain: 32768)
         os.sched_setaffinity(0, set(self.own_cores))
-        _set_threads(self.own_threads)
+        set_torch_threads(self.own_threads)
 
     def borrow(self, scheduled_tokens: int, context_tokens: int = 0) -> int:
         """Before a forward pass of ``scheduled_tokens`` tokens over ``context_tokens`` of context: how many
@@ -104,12 +104,12 @@ class StepThreads:
             return 0
         self._taken = taken
         self.steps_borrowed += 1
-        _set_threads(self.own_threads + len(taken))
+        set_torch_threads(self.own_threads + len(taken))
         return len(taken)
 
     def give_back(self) -> None:
         """After a forward pass that borrowed: the engine's own threads again, and the cores free to lend."""
-        _set_threads(self.own_threads)
+        set_torch_threads(self.own_threads)
         for core in self._taken:
             fcntl.flock(self._fds[core], fcntl.LOCK_UN)
         self._taken = []
