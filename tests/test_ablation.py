@@ -48,7 +48,8 @@ def test_workload_draws_keep_the_proportions_and_differ_by_seed():
 def test_a_tiny_two_seed_run_writes_its_tables(tmp_path, model_dir):
     out = tmp_path / "ablation"
     subprocess.run([sys.executable, "-m", "loadtest.ablation", "--seeds", "2", "--requests", "4", "--configs",
-                    "baseline", "--free-tokens", "4", "--passkey-tokens", "1100", "--threads", "1", "--out", str(out)],
+                    "baseline", "--free-tokens", "4", "--passkey-tokens", "1100", "--threads", "1",
+                    "--eager", "--out", str(out)],  # eager: compiling would be most of the run
                    check=True, cwd=ROOT, capture_output=True, timeout=600)
     result = json.loads((tmp_path / "ablation.json").read_text())
     assert sorted(result["runs"]) == ["0", "1"] and result["settings"]["seeds"] == 2

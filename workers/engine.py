@@ -173,6 +173,12 @@ class EngineRunner:
         self.step_threads = step_threads
         if step_threads is not None:
             wrap_forward(self.engine, step_threads)
+        # OpenMP's thread count is per thread, and a new thread starts at the count OMP_NUM_THREADS had when
+        # the runtime loaded, which in a process that imported torch before configure_process_env is not this
+        # engine's: the stepping thread takes the count the engine was built and warmed up with
+        import torch
+
+        self._omp_threads = torch.get_num_threads()
         self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor) if telemetry else None
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
@@ -368,6 +374,8 @@ class EngineRunner:
         try:
             if self.step_threads is not None:
                 self.step_threads.start()  # this thread's OpenMP pool, before the first step
+            else:
+                set_torch_threads(self._omp_threads)
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
                 self._drain_commands()
