@@ -125,6 +125,52 @@ def test_a_browser_preflight_is_answered_for_allowed_origins_only(own_server):
     assert simple.headers["access-control-allow-origin"] == ORIGIN
 
 
+def _engine_processes(pids) -> list[int]:
+    found = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("engine-"):
+                found.append(int(pid))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _borrow_counts(base: str) -> dict[str, float]:
+    counts = {"borrowed": 0.0, "refused": 0.0}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith("entropic_borrowed_core_steps_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            counts[outcome] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_a_prefill_step_of_the_pinned_engine_borrows_the_serving_core_and_its_decode_steps_do_not(own_server):
+    """workers.step_threads on the served path: a prompt of ~300 tokens is one step over
+    ``engine.borrow_min_tokens``; its 8 decode steps, over ~310 tokens of context, are under both thresholds.
+    One replica: the request reaches this engine whatever the router does."""
+    proc, base, _ = own_server
+    engines = _engine_processes(_descendants(proc.pid))
+    assert len(engines) == 1, engines
+    if os.sched_getaffinity(engines[0]) == os.sched_getaffinity(0):
+        pytest.skip("the engine floats (another engine on this machine holds the core it would pin): it borrows not")
+    before = _borrow_counts(base)
+    prompt = f"{time.time()} " + "The quick brown fox jumps over the lazy dog. " * 30  # no prefix-cache hit
+    response = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=120, json={
+        "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] >= 300, response.text
+    deadline = time.monotonic() + 15  # the replica's metrics reach the page once a second
+    while sum(_borrow_counts(base).values()) == sum(before.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2.5)  # two more reports: any decode step that borrowed would show by now
+    after = _borrow_counts(base)
+    gained = {k: after[k] - before[k] for k in after}
+    # one large step; it finds the core lent only if another engine of this machine borrowed it at that moment
+    assert gained["borrowed"] + gained["refused"] == 1, gained
+    if _engine_processes(filter(str.isdigit, os.listdir("/proc"))) == engines:  # no other engine here
+        assert gained["borrowed"] == 1, gained
+
+
 def test_a_request_past_its_deadline_gets_408_or_an_in_band_error_and_the_engine_lets_go(own_server):
     _, base, _ = own_server
     # four choices of 2000 tokens (max_num_seqs is 4) on one 1-thread engine: about 50 s and more, well past the

@@ -303,37 +303,6 @@ def test_engine_processes_hold_cores_of_their_own(server):
         assert all(borrowing), "a pinned engine's stepping thread has no OpenMP workers on the serving path's core"
 
 
-def test_prefill_steps_of_a_pinned_engine_borrow_the_serving_core_and_decode_steps_do_not(server):
-    """A prompt of ~300 tokens is one step over ``engine.borrow_min_tokens``; its 8 decode steps are not.
-    Requests go to the replicas four at a time until the pinned engine has served some (Serve's router picks
-    the replica; each round lands on the floating one alone with probability ~1/16 or less)."""
-    pinned = [rid for rid, pid in _engine_pids().items() if len(os.sched_getaffinity(pid)) < len(os.sched_getaffinity(0))]
-    if not pinned:
-        pytest.skip("no engine process is pinned on this machine")
-
-    def borrowed() -> float:
-        text = httpx.get(f"{server}/metrics", timeout=30).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("entropic_borrowed_core_steps_total{") and 'outcome="borrowed"' in line
-                   and f'replica="{pinned[0]}"' in line)
-
-    before, sent = borrowed(), 0
-    prompt = "The quick brown fox jumps over the lazy dog. " * 30
-    for _ in range(10):
-        with cf.ThreadPoolExecutor(4) as pool:
-            bodies = [{"prompt": f"{i} {prompt}", "max_tokens": 8, "ignore_eos": True} for i in range(sent, sent + 4)]
-            for response in pool.map(lambda b: httpx.post(f"{server}/v1/completions", json=b, timeout=120), bodies):
-                assert response.status_code == 200, response.text
-        sent += 4
-        deadline = time.time() + 10  # the replica's metrics reach the merged page once a second
-        while time.time() < deadline and borrowed() == before:
-            time.sleep(0.5)
-        if borrowed() > before:
-            break
-    gained = borrowed() - before
-    assert 1 <= gained <= sent, (gained, sent)  # a prefill step each at most; none of the decode steps
-
-
 def _pid_alive(pid: int) -> bool:
     """A zombie counts as gone: it has exited, only its parent has not collected it yet."""
     try:
