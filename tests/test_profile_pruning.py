@@ -54,3 +54,16 @@ def test_a_context_too_short_to_prune_has_no_selection_and_no_wrapper_cost():
     long = {"attention": 1.1 + 0.1 + 0.5, "layer total": 1.2 + 0.1 + 0.5}  # 10 steps of 50 ms, all in vLLM's forward
     step = per_step(before, short, long, steps=10)
     assert step["selection"] == 0.0 and step["layer wrapper"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_ceiling_at_a_kept_fraction_is_the_rest_plus_that_share_of_attention_and_caps_the_bounds_gain():
+    from loadtest.bench_pruning import kept_ceiling
+
+    for rest, attention in ((0.04, 0.035), (0.035, 0.05), (0.03, 0.3)):
+        plain = rest + attention
+        bound = plain / rest
+        for kept in (0.1, 0.25, 0.5):
+            ceiling = kept_ceiling(bound, kept)
+            assert ceiling == pytest.approx(plain / (rest + kept * attention))
+            assert (ceiling - 1) / (bound - 1) < 1 - kept
+    assert kept_ceiling(2.0, 1.0) == pytest.approx(1.0) and kept_ceiling(2.0, 0.0) == pytest.approx(2.0)
