@@ -14,6 +14,13 @@ controller, the HTTP ingress); configurations differ only in how requests are pl
   S  B with shortest remaining work first instead of π (``scheduling.objective: srpt``: π's remaining-work
      term alone, aged, with the same predictor): E/B and S/B say what entropy and the rest of π add to
      remaining work alone (issue 14, item 2)
+  O  C told every request's output length: its max_tokens is the length the same request reached in the
+     latest run of a configuration not told (greedy, so the same output), which makes "max_tokens minus
+     generated" exact and the predictor picks it. An oracle, to measure the ceiling of prediction: O/A is
+     what C could reach with a perfect remaining-work predictor on this trace, O/C what prediction error
+     costs. Not the first configuration listed (its first run needs an earlier one's lengths)
+  P  O with shortest remaining work first in the queue and the replicas (``objective: srpt``): the ordering
+     that minimizes mean latency on one server, with exact lengths; not listed first either
 Same seeded open-loop Poisson trace as the scheduling and routing benchmarks (short chat, long-context
 questions, free-form writing), sent over HTTP with the official OpenAI client, streamed so TTFT is
 measured at the client. Greedy, and every output ends at EOS or at a loose max_tokens (``LOOSE_MAX_TOKENS``,
@@ -50,22 +57,28 @@ CONFIGS = {
           "dispatch": {"enabled": False}},
     "S": {"request_router": "power_of_two", "scheduling": {"enabled": True, "objective": "srpt"},
           "dispatch": {"enabled": False}},
+    "O": {"request_router": "power_of_two", "scheduling": {"enabled": True}, "dispatch": {"enabled": True}},
+    "P": {"request_router": "power_of_two", "scheduling": {"enabled": True, "objective": "srpt"},
+          "dispatch": {"enabled": True}},
 }
+ORACLE = frozenset({"O", "P"})  # configurations whose requests carry their known output length as max_tokens
 DEFAULT_CONFIGS = ["A", "B", "C", "D"]
 LABELS = {"A": "A: power-of-two, FCFS", "B": "B: power-of-two, π", "C": "C: controller queue, π",
           "D": "D: C without entropy terms", "M": "M: B with migration", "E": "E: B without entropy terms",
-          "S": "S: B with shortest remaining work first"}
+          "S": "S: B with shortest remaining work first", "O": "O: C told each output's length (oracle)",
+          "P": "P: O, shortest remaining work first"}
 KEYS = ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "mean_tpot_s", "goodput_rps", "within_slo",
         "shed", "wall_s", "max_send_lag_s")
 
 
-async def _one(client, model: str, job: Job, start: float) -> dict:
+async def _one(client, model: str, job: Job, start: float, max_tokens: int | None = None) -> dict:
     await asyncio.sleep(max(0.0, job.arrival - (time.monotonic() - start)))
     sent = time.monotonic() - start
     first, chunks = None, 0
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": job.prompt}], max_tokens=LOOSE_MAX_TOKENS[job.kind],
+            model=model, messages=[{"role": "user", "content": job.prompt}],
+            max_tokens=max_tokens or LOOSE_MAX_TOKENS[job.kind],
             temperature=0, stream=True, stream_options={"include_usage": True})
         tokens = 0
         async for chunk in stream:
@@ -83,8 +96,14 @@ async def _one(client, model: str, job: Job, start: float) -> dict:
             "tpot": (done - job.arrival - ttft) / (tokens - 1) if tokens > 1 else None}
 
 
-async def run_trace(base: str, jobs: list[Job]) -> dict:
-    rows, wall = await replay(base, jobs, _one)
+async def run_trace(base: str, jobs: list[Job], lengths: dict[str, int] | None = None) -> dict:
+    """The trace against ``base``; ``lengths`` (the oracle's): each request's max_tokens, by request id."""
+    lengths = lengths or {}
+
+    async def one(client, model: str, job: Job, start: float) -> dict:
+        return await _one(client, model, job, start, lengths.get(job.rid))
+
+    rows, wall = await replay(base, jobs, one)
     served = [r for r in rows if "error" not in r]
     e2e = [r["e2e"] for r in served]
     tpots = [r["tpot"] for r in served if r["tpot"] is not None]
@@ -163,13 +182,21 @@ def main(argv: list[str] | None = None) -> int:
 
     costs = [decision_cost(q, r) for q, r in ((16, 2), (256, 2), (256, 16), (1024, 64))]
     print(f"decision cost: {costs}", file=sys.stderr, flush=True)
+    if args.configs[0] in ORACLE:
+        parser.error(f"{args.configs[0]} takes its output lengths from an earlier run: list another configuration first")
     jobs = make_trace(args.requests, args.rate, args.seed)
     results: dict[str, list[dict]] = {c: [] for c in args.configs}
+    lengths: dict[str, int] = {}  # each request's output length in the latest run that was not told it
     with ServedApp(args.max_num_seqs) as app:
         for r in range(args.rounds):
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             for name in order:
-                x = app.measure(CONFIGS[name], lambda base: run_trace(base, jobs))
+                told = dict(lengths) if name in ORACLE else None
+                x = app.measure(CONFIGS[name], lambda base, told=told: run_trace(base, jobs, told))
+                if told is None:
+                    lengths = dict(x["output_tokens"])
+                else:  # greedy outputs can still differ between batch mixes: count the requests the oracle missed
+                    x["oracle_missed"] = sum(x["output_tokens"].get(rid) != n for rid, n in told.items())
                 base = x.pop("base")
                 view = httpx.get(f"{base}/debug/dispatch", timeout=30).json()
                 x["moved"] = _moved(base)
@@ -182,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {n: {k: st.median(x[k] for x in xs) for k in KEYS} for n, xs in results.items()}
     ratios = {}
-    for a, b in (("C", "A"), ("C", "B"), ("D", "C"), ("B", "A"), ("M", "B"), ("E", "B"), ("S", "B"), ("S", "A")):
+    for a, b in (("C", "A"), ("C", "B"), ("D", "C"), ("B", "A"), ("M", "B"), ("E", "B"), ("S", "B"), ("S", "A"),
+                 ("O", "A"), ("O", "C"), ("P", "A")):
         if a in results and b in results:
             ratios[f"{a}/{b}"] = {k: [x[k] / y[k] if y[k] else None for x, y in zip(results[a], results[b])]
                                   for k in ("mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "goodput_rps")}
@@ -258,10 +286,16 @@ def _markdown(result: dict) -> str:
             placed = ", ".join(f"{k} {v:.0f}" for k, v in (x.get("admissions") or {}).items() if v)
             lines.append(f"- {n} round {i + 1}: {rw.get('model')} ({errors or 'too few held-out samples'}; "
                          f"{rw.get('finished_requests')} finished); admissions by outcome: "
-                         f"{placed or 'none (dispatch off)'}; requests moved: {x.get('moved', 0):.0f}")
+                         f"{placed or 'none (dispatch off)'}; requests moved: {x.get('moved', 0):.0f}"
+                         + (f"; outputs whose length differed from the one told: {x['oracle_missed']}"
+                            if "oracle_missed" in x else ""))
     if result.get("plots"):
         lines += ["", "Latency CDFs, every request of every round:", ""] + [
             f"![{Path(p).stem}]({Path(p).name})" for p in result["plots"]]
+    lines += ["", "Mean end-to-end latency per class, seconds (each round): " + "; ".join(
+        f"{n}: " + ", ".join(f"{c} " + "/".join(f"{x['per_class_mean_e2e_s'][c]:.1f}" for x in xs)
+                             for c in xs[0].get("per_class_mean_e2e_s", {}))
+        for n, xs in result["rounds"].items())]
     lines += ["", "Mean output tokens per request (each round): " + "; ".join(
         f"{n}: " + ", ".join(f"{x['mean_output_tokens']:.0f}" for x in xs) for n, xs in result["rounds"].items()), ""]
     return "\n".join(lines)
