@@ -55,7 +55,7 @@ from pathlib import Path
 
 # The metrics every cell reports (vllm bench serve's result keys); higher is better only for throughput.
 METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-           "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms")
+           "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms")
 RATIO_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
 
 
@@ -250,6 +250,15 @@ def render(result: dict) -> str:
         tps = entry["output_throughput"]
         lines.append(f"| {key} | " + " | ".join(cell(m) for m in RATIO_METRICS)
                      + f" | {', '.join(f'{v:.0f}' for v in tps['ours'])} | {', '.join(f'{v:.0f}' for v in tps['vllm'])} |")
+    lines += ["", "Per server, ms (each round): mean TPOT and median ITL. The median gap between tokens is a step "
+              "that only decodes; where TPOT is far above it, most of a token's time is spent in steps shared with "
+              "other requests' prefill, which decode speed does not shorten.", ""]
+    for key, entry in result["summary"].items():
+        for server in ("ours", "vllm"):
+            tpot, itl = entry["mean_tpot_ms"][server], entry.get("median_itl_ms", {}).get(server, [])
+            if tpot and all(v is not None for v in itl):
+                lines.append(f"- {key} {server}: TPOT " + ", ".join(f"{v:.0f}" for v in tpot)
+                             + ("; median ITL " + ", ".join(f"{v:.0f}" for v in itl) if itl else ""))
     if result["startup_s"]:
         lines += ["", "Start-up to the first 200 from `/health`, seconds (per round):", ""]
     for key, starts in result["startup_s"].items():
