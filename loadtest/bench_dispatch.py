@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics as st
 import sys
 import time
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replot", action="store_true", help="measure nothing: draw the plots of the saved "
                         "<out>.json and rewrite <out>.md with them")
     args = parser.parse_args(argv)
+    if args.configs[0] in ORACLE:
+        parser.error(f"{args.configs[0]} takes its output lengths from an earlier run: list another configuration first")
     if args.replot:
         from loadtest.plots import replot
 
@@ -182,8 +185,6 @@ def main(argv: list[str] | None = None) -> int:
 
     costs = [decision_cost(q, r) for q, r in ((16, 2), (256, 2), (256, 16), (1024, 64))]
     print(f"decision cost: {costs}", file=sys.stderr, flush=True)
-    if args.configs[0] in ORACLE:
-        parser.error(f"{args.configs[0]} takes its output lengths from an earlier run: list another configuration first")
     jobs = make_trace(args.requests, args.rate, args.seed)
     results: dict[str, list[dict]] = {c: [] for c in args.configs}
     lengths: dict[str, int] = {}  # each request's output length in the latest run that was not told it
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             for name in order:
                 told = dict(lengths) if name in ORACLE else None
-                x = app.measure(CONFIGS[name], lambda base, told=told: run_trace(base, jobs, told))
+                x = app.measure(CONFIGS[name], functools.partial(run_trace, jobs=jobs, lengths=told))
                 if told is None:
                     lengths = dict(x["output_tokens"])
                 else:  # greedy outputs can still differ between batch mixes: count the requests the oracle missed
