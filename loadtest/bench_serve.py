@@ -28,7 +28,10 @@ Pairs (``--pairs``):
 Data sets (``--sets``), all ``--ignore-eos`` to a fixed output length: a decode-speed measurement, the
 same number of tokens on both sides (``vllm bench serve`` random data has no natural end anyway):
 - ``short``: random tokens, 256 in / 128 out, 48 requests at concurrency 16.
-- ``long``: random tokens, 3900 in / 128 out, 16 requests at concurrency 8.
+- ``long``: random tokens, 3900 in / 128 out, 16 requests at concurrency 8. Mostly prefill: each
+  request's 128 tokens share their steps with the next requests' 2048-token prefill chunks.
+- ``long-decode``: random tokens, 3900 in / 512 out, 8 requests at concurrency 8: all prompts arrive
+  together, so after their prefill the steps only decode, at long context, where pruning acts.
 - ``natural``: ~3900 tokens of English prose (Python's own documentation, ``pydoc_data``, shipped with
   every Python) then an instruction, 128 out, 16 requests at concurrency 8: the pruning law sees the
   entropy of real text instead of random tokens.
@@ -72,6 +75,8 @@ SETS = {
                                "--random-output-len", "128"), 48, 16),
     "long": DataSet("long", ("--dataset-name", "random", "--random-input-len", "3900",
                              "--random-output-len", "128"), 16, 8),
+    "long-decode": DataSet("long-decode", ("--dataset-name", "random", "--random-input-len", "3900",
+                                           "--random-output-len", "512"), 8, 8),
     "natural": DataSet("natural", ("--dataset-name", "custom", "--custom-output-len", "128",
                                    "--skip-chat-template"), 16, 8),
 }
@@ -239,7 +244,8 @@ def render(result: dict) -> str:
              f"vLLM {result['machine']['vllm']}; our dtype for `auto`: {result['machine']['cpu_dtype_auto']}", "",
              "Each cell: ours / vllm per round (servers alternate, one at a time), median [min-max] over "
              f"{result['rounds']} rounds. Throughput: higher is better for us above 1; times: lower is better "
-             "for us below 1. All outputs `--ignore-eos` to 128 tokens (decode-speed measurement).", "",
+             "for us below 1. All outputs `--ignore-eos` to a fixed length: 512 tokens in `long-decode`, 128 in the "
+             "other sets (decode-speed measurement).", "",
              "| pair / set | output tok/s | mean TTFT | mean TPOT | p99 ITL | ours tok/s | vllm tok/s |",
              "|---|---|---|---|---|---|---|"]
     for key, entry in result["summary"].items():
