@@ -69,6 +69,11 @@ class DataSet:
     num_prompts: int
     concurrency: int
 
+    @property
+    def output_len(self) -> str:
+        """The output length its ``vllm bench serve`` arguments ask for."""
+        return next(self.args[i + 1] for i, a in enumerate(self.args) if a.endswith("-output-len"))
+
 
 SETS = {
     "short": DataSet("short", ("--dataset-name", "random", "--random-input-len", "256",
@@ -244,8 +249,8 @@ def render(result: dict) -> str:
              f"vLLM {result['machine']['vllm']}; our dtype for `auto`: {result['machine']['cpu_dtype_auto']}", "",
              "Each cell: ours / vllm per round (servers alternate, one at a time), median [min-max] over "
              f"{result['rounds']} rounds. Throughput: higher is better for us above 1; times: lower is better "
-             "for us below 1. All outputs `--ignore-eos` to a fixed length: 512 tokens in `long-decode`, 128 in the "
-             "other sets (decode-speed measurement).", "",
+             "for us below 1. All outputs `--ignore-eos` to a fixed length (decode-speed measurement): "
+             + ", ".join(f"{d.output_len} tokens in `{name}`" for name, d in SETS.items()) + ".", "",
              "| pair / set | output tok/s | mean TTFT | mean TPOT | p99 ITL | ours tok/s | vllm tok/s |",
              "|---|---|---|---|---|---|---|"]
     for key, entry in result["summary"].items():
