@@ -228,6 +228,11 @@ def test_sigterm_lets_streams_finish_and_refuses_new_requests_meanwhile(own_serv
             probes.append((r.status_code, r.headers.get("retry-after"), r.json().get("error", {}).get("type")))
         except httpx.ConnectError:
             probes.append(("refused", None, None))
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            # Serve's proxy is killed without closing its socket first (ProxyActor.shutdown does nothing), so
+            # a probe that meets serve.shutdown() is cut; that may only happen once the drain is over
+            assert "drained (" in log.read_text(errors="replace"), (probes, log.read_text()[-3000:])
+            probes.append(("cut", None, None))
         time.sleep(0.2)
     for t in threads:
         t.join()
@@ -236,7 +241,7 @@ def test_sigterm_lets_streams_finish_and_refuses_new_requests_meanwhile(own_serv
         assert s["lines"][-1] == "data: [DONE]", s["lines"][-3:]
         usage = json.loads(s["lines"][-2].removeprefix("data: "))["usage"]
         assert usage["completion_tokens"] == TOKENS
-    answered = [p for p in probes if p[0] != "refused"]
+    answered = [p for p in probes if p[0] not in ("refused", "cut")]
     # The drain begins once the signal has reached the server's main thread and the ingress has been told
     # (a Ray call): a probe that arrives before that is served in full, as it should be (a CI run: one 200,
     # then only 503s). From the first 503 on, nothing new is served.
