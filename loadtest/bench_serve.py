@@ -214,6 +214,14 @@ def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
     raise ValueError(pair)
 
 
+def merged(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra``'s fields, nested sections (``engine``) merged field by field."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def summarize(cells: list[dict]) -> dict:
     """Per metric and data set: each round's ours/vllm ratio, their median and range."""
     out: dict = {}
@@ -295,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                         "string: what a user must add where vLLM's defaults do not start (e.g. "
                         "'--gpu-memory-utilization 0.5' where the CPU's NUMA node has less memory than vLLM's "
                         "default fraction asks for)")
+    parser.add_argument("--ours-config", type=json.loads, default={}, help="our AppConfig fields for our server "
+                        "in every pair, as JSON, merged into the pair's (e.g. '{\"engine\": {\"borrow_min_context\": "
+                        "12288}}'): a setting of ours against the same `vllm serve`")
     args = parser.parse_args(argv)
 
     from kernels.hardware import resolve_dtype
@@ -314,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for pair in args.pairs:
             ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, dtype, shlex.split(args.vllm_args))
+            if args.ours_config:
+                ours.config = merged(ours.config or {}, args.ours_config)
             for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
                 key = f"{pair}/{server.label}"
                 servers_seen[key] = server.argv + ([f"(config {json.dumps(server.config)})"] if server.config else [])

@@ -58,6 +58,11 @@ CHILD = textwrap.dedent("""
         out["threads_after"] = torch.get_num_threads()
         out["other_engine_after"] = b.borrow(8, 8192)  # a decode step over a long context
         b.give_back()
+        by_tokens_only = StepThreads(own, lent, min_tokens=128, min_context=None, lock_dir=lock_dir)  # the default
+        by_tokens_only.start()
+        out["decode_by_tokens_only"] = by_tokens_only.borrow(8, 10 ** 6)
+        out["prefill_by_tokens_only"] = by_tokens_only.borrow(128)
+        by_tokens_only.give_back()
         start = {t: ticks(t) for t in pool}
         work()
         out["pool_ticks_own"] = sum(ticks(t) - start[t] for t in pool)
@@ -83,6 +88,8 @@ def test_large_steps_run_threads_on_the_lent_core_and_only_one_engine_borrows_it
     assert out["small"] == 0 and out["large"] == 1 and out["threads_borrowing"] == 2
     assert out["other_engine"] == 0 and out["other_engine_after"] == 1  # lent to one engine at a time
     assert out["counts"] == [1, 0, 1, 1]
+    # unless borrow_min_context is set, no decode step borrows, whatever its context; a prefill chunk does
+    assert out["decode_by_tokens_only"] == 0 and out["prefill_by_tokens_only"] == 1
     # The lent core's thread computes while borrowed (72-131 clock ticks of 10 ms in runs here, ~0.3 s of
     # matmul per thread at the least) and not otherwise (0-1 ticks: spinning after the last region).
     assert out["pool_ticks_borrowing"] >= 20 and out["pool_ticks_own"] * 10 < out["pool_ticks_borrowing"], out

@@ -48,13 +48,16 @@ class EngineConfig(BaseModel):
                             "(workers/cpu_cores.py); False, or too few free cores: the engine floats")
     borrow_serving_cores: bool = Field(True, description="CPU only, where the engine is pinned: the forward pass "
                                        "of a step that schedules at least borrow_min_tokens tokens (a prefill "
-                                       "chunk) or attends over at least borrow_min_context tokens (long-context "
-                                       "decode) also runs threads on the cores kept for the serving path, lent "
-                                       "to one engine at a time (workers/step_threads.py)")
+                                       "chunk), or attends over at least borrow_min_context tokens where that is "
+                                       "set, also runs threads on the cores kept for the serving path, lent to one "
+                                       "engine at a time (workers/step_threads.py)")
     borrow_min_tokens: int = Field(128, ge=1, description="the smallest step, in scheduled tokens, that borrows "
                                    "the serving path's cores")
-    borrow_min_context: int = Field(12288, ge=1, description="the smallest step, in tokens of context summed over "
-                                    "its sequences (cached and scheduled), that borrows the serving path's cores")
+    borrow_min_context: int | None = Field(None, ge=1, description="the smallest step, in tokens of context summed "
+                                           "over its sequences (cached and scheduled), that borrows the serving "
+                                           "path's cores; None: decode steps never borrow, since the serving path "
+                                           "relays their tokens on the core they would borrow "
+                                           "(docs/operations.md, CPU cores)")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
         "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "

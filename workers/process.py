@@ -290,8 +290,9 @@ def _pin(config: ReplicaConfig) -> tuple[CoreClaim | None, StepThreads | None]:
     borrowed = borrowable_cores(node, claim.cores, RESERVED_CORES)
     if not borrowed:
         return claim, None
-    logger.info("engine process %d borrows cores %s for steps of at least %d tokens or %d of context", os.getpid(),
-                list(borrowed), engine.borrow_min_tokens, engine.borrow_min_context)
+    by_context = "" if engine.borrow_min_context is None else f" or {engine.borrow_min_context} of context"
+    logger.info("engine process %d borrows cores %s for steps of at least %d tokens%s", os.getpid(), list(borrowed),
+                engine.borrow_min_tokens, by_context)
     return claim, StepThreads(claim.cores, borrowed, engine.borrow_min_tokens, engine.borrow_min_context)
 
 

@@ -2,15 +2,16 @@
 
 Why: a pinned engine runs ``cpu_threads`` OpenMP threads on cores of its own, and the node's lowest core
 stays with the serving path (workers/cpu_cores.py), as vLLM's CPU worker leaves one to its API server. A
-step with little work gains little from more threads (a short-context decode step is bound by memory and
-per-layer overhead) and would take the core from the serving path when it is busiest, relaying tokens.
-Two kinds of step have work enough: one that prefills hundreds of tokens (compute-bound matmuls, which
-another core nearly halves), and a decode step that attends over a long context (the attention over tens
-of thousands of cached tokens splits across cores too). While either runs the serving path has little to
-do: a prefill's tokens stream only when it ends, and long-context decode steps come slowly. So the forward
-pass of a step that schedules at least ``min_tokens`` tokens, or whose sequences hold at least
-``min_context`` tokens in all, also runs threads on the borrowed cores; every other step runs on the
-engine's own.
+step that prefills hundreds of tokens is compute-bound matmuls, which another core nearly halves, and
+while it runs the serving path has little to do: its tokens stream only when it ends. So the forward pass
+of a step that schedules at least ``min_tokens`` tokens also runs threads on the borrowed cores.
+
+A decode step gains from a second core too, on a bare engine, once it attends over tens of thousands of
+cached tokens; served, it did not: a stream of decode steps keeps the serving path relaying tokens on the
+lent core, and every parallel region of the step then waits for the OpenMP thread that shares it. So
+borrowing by context (``min_context``: a step whose sequences hold at least that many tokens in all) is
+off unless configured; what it changed served is in docs/results/ (the serve rows). Every other step runs
+on the engine's own cores.
 
 A core is lent to one engine at a time: a step borrows only the cores whose lock it takes at once
 (``flock``, never waiting), so engines sharing a node never stack their threads on one core; a step that
@@ -50,12 +51,13 @@ def set_torch_threads(count: int) -> None:
 class StepThreads:
     """The engine thread's OpenMP threads, step by step. ``own_cores``: the cores the engine process claimed
     (one thread each); ``borrowed``: cores it may borrow for a step of at least ``min_tokens`` scheduled
-    tokens or ``min_context`` tokens of context (cached and scheduled, summed over its sequences)."""
+    tokens or, where ``min_context`` is set, that many tokens of context (cached and scheduled, summed over
+    its sequences)."""
 
     own_cores: tuple[int, ...]
     borrowed: tuple[int, ...]
     min_tokens: int
-    min_context: int
+    min_context: int | None
     lock_dir: Path | None = None
     steps_borrowed: int = 0  # forward passes that ran on borrowed cores too
     steps_refused: int = 0  # large steps that found every borrowable core lent to another engine
@@ -95,7 +97,7 @@ class StepThreads:
         """Before a forward pass of ``scheduled_tokens`` tokens over ``context_tokens`` of context: how many
         cores it borrowed (their locks are then held until ``give_back``); 0 for a small step or when every
         borrowable core is lent."""
-        small = scheduled_tokens < self.min_tokens and context_tokens < self.min_context
+        small = scheduled_tokens < self.min_tokens and (self.min_context is None or context_tokens < self.min_context)
         if small or not self._fds:
             return 0
         taken = [core for core, fd in self._fds.items() if try_lock(fd)]
