@@ -1,5 +1,5 @@
 """loadtest/bench_serve.py's server configurations (the benchmark itself needs two servers and minutes)."""
-from loadtest.bench_serve import merged, pair_servers
+from loadtest.bench_serve import SETS, merged, pair_servers
 
 
 def test_ours_config_overrides_one_engine_field_and_keeps_the_pairs_others():
@@ -16,3 +16,8 @@ def test_ours_config_on_the_defaults_pair_is_the_whole_config():
     assert ours.config is None  # make serve as shipped
     assert merged(ours.config or {}, {"engine": {"borrow_min_context": 12288}}) == {
         "engine": {"borrow_min_context": 12288}}
+
+
+def test_no_two_sets_draw_the_same_random_prompts():
+    # one server serves every set of a round: a set drawn from another's seed would hit its prefix cache
+    assert len({s.seed for s in SETS.values()}) == len(SETS)
