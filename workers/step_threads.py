@@ -7,11 +7,11 @@ while it runs the serving path has little to do: its tokens stream only when it 
 of a step that schedules at least ``min_tokens`` tokens also runs threads on the borrowed cores.
 
 A decode step gains from a second core too, on a bare engine, once it attends over tens of thousands of
-cached tokens; served, it did not: a stream of decode steps keeps the serving path relaying tokens on the
-lent core, and every parallel region of the step then waits for the OpenMP thread that shares it. So
-borrowing by context (``min_context``: a step whose sequences hold at least that many tokens in all) is
-off unless configured; what it changed served is in docs/results/ (the serve rows). Every other step runs
-on the engine's own cores.
+cached tokens; served, it did not, and was sometimes slower. Likely (not measured directly): a stream of
+decode steps keeps the serving path relaying tokens on the lent core, and every parallel region of the
+step waits for the OpenMP thread that shares it. So borrowing by context (``min_context``: a step whose
+sequences hold at least that many tokens in all) is off unless configured; what it changed served is in
+docs/results/ (the serve rows). Every other step runs on the engine's own cores.
 
 A core is lent to one engine at a time: a step borrows only the cores whose lock it takes at once
 (``flock``, never waiting), so engines sharing a node never stack their threads on one core; a step that
