@@ -261,7 +261,8 @@ def render(result: dict) -> str:
              "Each cell: ours / vllm per round (servers alternate, one at a time), median [min-max] over "
              f"{result['rounds']} rounds. Throughput: higher is better for us above 1; times: lower is better "
              "for us below 1. All outputs `--ignore-eos` to a fixed length (decode-speed measurement): "
-             + ", ".join(f"{d.output_len} tokens in `{name}`" for name, d in SETS.items()) + ".", "",
+             + ", ".join(f"{SETS[name].output_len} tokens in `{name}`" for name in dict.fromkeys(
+                 c["set"] for c in result["cells"])) + ".", "",
              "| pair / set | output tok/s | mean TTFT | mean TPOT | p99 ITL | ours tok/s | vllm tok/s |",
              "|---|---|---|---|---|---|---|"]
     for key, entry in result["summary"].items():
