@@ -10,8 +10,9 @@ requests (greedy, ignore_eos: a decode-speed benchmark):
   ``entropic.pruning`` (what the fidelity tests use). Sampling control and scheduling are off.
 
 Per context length, batch ``--batch`` rows share one prompt prefix (distinct last line, so
-greedy rows differ); the prefix is prefilled once (warm-up) so both engines decode from the
-same prefix-cache state. Decode rate = batch * (N - 1) / (t(N tokens) - t(1 token)), the
+greedy rows differ), or with ``--prompts distinct`` each row opens with a line of its own, so no
+two rows share a KV block, as served prompts do not; the prompts are prefilled once (warm-up) so
+both engines decode from the same prefix-cache state. Decode rate = batch * (N - 1) / (t(N tokens) - t(1 token)), the
 median of ``--reps`` repetitions. The pruned process also reports blocks kept, attention
 FLOPs and KV bytes per generated token (analytic dense figures minus what the backend
 skipped) and block-selection time per step.
@@ -32,10 +33,19 @@ from loadtest.machine import cpu_text
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
-def filler_prompts(tokenizer, context: int, batch: int) -> list[str]:
+def filler_prompts(tokenizer, context: int, batch: int, distinct: bool = False) -> list[str]:
+    """``batch`` prompts of about ``context`` tokens. Shared: one body and a distinct last line, so the rows'
+    full KV blocks are the same physical blocks (vLLM's prefix cache), which every row's attention then reads.
+    Distinct: each row's first line differs, so no block is shared: the memory traffic of distinct requests."""
     per = len(tokenizer.encode(FILLER, add_special_tokens=False))
     body = FILLER * max(1, (context - 40) // per)
-    return [f"{body}\nQuestion {i}: what colour is the sky? Answer:" for i in range(batch)]
+    return [f"{f'Document {i}. ' if distinct else ''}{body}\nQuestion {i}: what colour is the sky? Answer:"
+            for i in range(batch)]
+
+
+def add_prompt_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", choices=["shared", "distinct"], default="shared",
+                        help="rows share one prompt prefix (as published runs) or share no KV block (as served)")
 
 
 def keep_overrides(keep: float | None) -> dict | None:
@@ -72,7 +82,7 @@ async def _measure(core, args) -> dict:
     core.start()
     results = []
     for context in args.contexts:
-        prompts = filler_prompts(tokenizer, context, args.batch)
+        prompts = filler_prompts(tokenizer, context, args.batch, args.prompts == "distinct")
         tokens = len(tokenizer.encode(prompts[0]))
         await run_batch(core, prompts, 1, overrides)  # warm the prefix cache
         rates = []
@@ -162,7 +172,8 @@ def _run_worker(kind: str, block_size: int, args) -> dict:
     env = plain_env() if kind == "plain" else dict(os.environ)
     cmd = [sys.executable, "-m", "loadtest.bench_pruning", "--worker", kind, "--block-size", str(block_size),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
-           *core_argv(args), "--selection", args.selection, "--contexts", *map(str, args.contexts)]
+           *core_argv(args), "--selection", args.selection, "--prompts", args.prompts,
+           "--contexts", *map(str, args.contexts)]
     if args.keep is not None:
         cmd += ["--keep", str(args.keep)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -221,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=float, default=None, help="fixed keep fraction; default: the deployment's budget")
     parser.add_argument("--selection", choices=["fused", "torch"], default="fused",
                         help="block selection: the fused C op (serving default) or the torch path")
+    add_prompt_argument(parser)
     add_core_arguments(parser, dtype="float32")  # as its published runs
     parser.add_argument("--out", default="docs/results/pruning")
     args = parser.parse_args(argv)
@@ -258,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                          "selection_ms": statistics.median(p[i]["selection_ms_per_step"] for _, p in rounds),
                          "plain_rates": a_rates, "pruned_rates": b_rates})
     setting = "deployment default law" if args.keep is None else f"keep {args.keep} from the first decode step"
-    setting += f", {args.selection} block selection"
+    setting += f", {args.selection} block selection, {args.prompts} prompts"
     publish("loadtest.bench_pruning", argv, args.out,
             {"batch": args.batch, "new_tokens": args.new_tokens, "reps": args.reps, "rounds": args.rounds,
              "setting": setting, "dtype": "/".join(sorted(dtypes)), "rows": rows},

@@ -5,9 +5,9 @@
 The same replica cores and workload as ``make bench-pruning`` (``plain``: vLLM as shipped, our plugin not
 loaded; ``pruned``: the served configuration with pruning on, by default a kept fraction fixed at 0.25 from
 the first decode step), each in a process of its own, alternating over rounds, which goes first too. Per
-context length and batch the rows share one prompt prefix, warmed once; then a 1-token and an N-token batch
-run, and every figure is (what the N-token run took - what the 1-token run took) / (N - 1): one decode step,
-the prefill of each row's last line taken out.
+context length and batch the rows share one prompt prefix (with ``--prompts distinct``, no KV block), warmed
+once; then a 1-token and an N-token batch run, and every figure is (what the N-token run took - what the
+1-token run took) / (N - 1): one decode step, the prefill of each row's last line taken out.
 
 Wall-clock timers wrap the functions of the step that are ours or that pruning changes (a perf_counter pair
 per call, ~1 µs, against steps of tens of milliseconds):
@@ -39,6 +39,7 @@ from typing import Any
 
 from loadtest.bench_pruning import (
     add_core_arguments,
+    add_prompt_argument,
     arm_order,
     core_argv,
     core_dtype,
@@ -114,11 +115,12 @@ async def _measure(core: Any, args: argparse.Namespace, timers: Timers) -> list[
     core.start()
     # The first pruned steps of a process pay one-time costs (each layer's summary buffer, first calls):
     # measured once, a few tokens at the shortest context, so they land on no row
-    await run_batch(core, filler_prompts(tokenizer, min(args.contexts), min(args.batches)), 4, overrides)
+    distinct = args.prompts == "distinct"
+    await run_batch(core, filler_prompts(tokenizer, min(args.contexts), min(args.batches), distinct), 4, overrides)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            prompts = filler_prompts(tokenizer, context, batch)
+            prompts = filler_prompts(tokenizer, context, batch, distinct)
             await run_batch(core, prompts, 1, overrides)  # warm the prefix cache
             before = timers.snapshot()
             kept_before = (STATE.stats.blocks_kept, STATE.stats.blocks_total)
@@ -151,7 +153,7 @@ def worker(args: argparse.Namespace) -> dict:
 def _run_worker(kind: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "loadtest.profile_pruning", "--worker", kind, "--block-size", str(args.block_size),
            "--new-tokens", str(args.new_tokens), *core_argv(args), "--keep", str(args.keep),
-           "--contexts", *map(str, args.contexts), "--batches", *map(str, args.batches)]
+           "--prompts", args.prompts, "--contexts", *map(str, args.contexts), "--batches", *map(str, args.batches)]
     out = subprocess.run(cmd, env=plain_env() if kind == "plain" else None, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{out.stderr[-4000:]}")
@@ -188,7 +190,10 @@ def _render(result: dict) -> str:
     lines = header(result, "Where a pruned decode step's time goes", f"{result['dtype']}, block {result['block_size']}")
     lines += [f"Pruning: {result['setting']}; {result['new_tokens']} new tokens per run; medians of "
               f"{result['rounds']} alternating plain/pruned process pairs. Milliseconds per decode step "
-              "(the whole batch). Rows of a batch share one prompt prefix, as in `make bench-pruning`.", "",
+              "(the whole batch). "
+              + ("Each row's prompt has blocks of its own, as served prompts do."
+                 if "distinct" in result["setting"] else
+                 "Rows of a batch share one prompt prefix, as in `make bench-pruning`."), "",
               "| context | batch | plain step (attention + rest) | pruned step | " + " | ".join(PARTS) + " | rest | "
               "kept | bound: rest + kept x attention | pruned / plain speed | bound / plain speed |",
               "|" + "---|" * (len(PARTS) + 9)]
@@ -220,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=float, default=0.25, help="kept fraction, fixed from the first decode step")
     parser.add_argument("--block-size", type=int, default=64)
     add_core_arguments(parser, dtype="auto")
+    add_prompt_argument(parser)
     parser.add_argument("--out", default="docs/results/pruning-profile")
     args = parser.parse_args(argv)
     if args.worker:
@@ -234,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     publish("loadtest.profile_pruning", argv, args.out,
             {"dtype": rounds[0]["pruned"]["dtype"], "block_size": args.block_size, "new_tokens": args.new_tokens,
-             "rounds": args.rounds, "setting": f"keep {args.keep} from the first decode step",
+             "rounds": args.rounds, "setting": f"keep {args.keep} from the first decode step, {args.prompts} prompts",
              "rows": summarize(rounds), "runs": rounds}, _render)
     return 0
 
