@@ -1,7 +1,7 @@
 """loadtest/bench_pruning.py's prompts (the benchmark itself runs two engines at long context for minutes)."""
 from loadtest.bench_pruning import filler_prompts
 
-BLOCK = 16  # the smallest KV block size a deployment may pick: no two rows may share even one
+BLOCK = 16  # a KV block smaller than any served here (64 with pruning on CPU, vLLM's 128): rows must differ in it
 
 
 def test_shared_prompts_differ_only_in_their_last_line_and_distinct_ones_from_the_first_block(hf_model):
