@@ -192,7 +192,7 @@ def _render(result: dict) -> str:
               f"{result['rounds']} alternating plain/pruned process pairs. Milliseconds per decode step "
               "(the whole batch). "
               + ("Each row's prompt has blocks of its own, as served prompts do."
-                 if result.get("prompts") == "distinct" else
+                 if "distinct" in result["setting"] else
                  "Rows of a batch share one prompt prefix, as in `make bench-pruning`."), "",
               "| context | batch | plain step (attention + rest) | pruned step | " + " | ".join(PARTS) + " | rest | "
               "kept | bound: rest + kept x attention | pruned / plain speed | bound / plain speed |",
@@ -241,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     publish("loadtest.profile_pruning", argv, args.out,
             {"dtype": rounds[0]["pruned"]["dtype"], "block_size": args.block_size, "new_tokens": args.new_tokens,
              "rounds": args.rounds, "setting": f"keep {args.keep} from the first decode step, {args.prompts} prompts",
-             "prompts": args.prompts,
              "rows": summarize(rounds), "runs": rounds}, _render)
     return 0
 
