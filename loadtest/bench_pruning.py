@@ -12,10 +12,10 @@ requests (greedy, ignore_eos: a decode-speed benchmark):
 Per context length, batch ``--batch`` rows share one prompt prefix (distinct last line, so
 greedy rows differ), or with ``--prompts distinct`` each row opens with a line of its own, so no
 two rows share a KV block, as served prompts do not; the prompts are prefilled once (warm-up) so
-both engines decode from the same prefix-cache state. Decode rate = batch * (N - 1) / (t(N tokens) - t(1 token)), the
-median of ``--reps`` repetitions. The pruned process also reports blocks kept, attention
-FLOPs and KV bytes per generated token (analytic dense figures minus what the backend
-skipped) and block-selection time per step.
+both engines decode from the same prefix-cache state. Decode rate = batch * (N - 1) /
+(t(N tokens) - t(1 token)), the median of ``--reps`` repetitions. The pruned process also
+reports blocks kept, attention FLOPs and KV bytes per generated token (analytic dense figures
+minus what the backend skipped) and block-selection time per step.
 """
 from __future__ import annotations
 
