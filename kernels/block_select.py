@@ -80,11 +80,17 @@ def select_blocks(scores: torch.Tensor, keep: torch.Tensor, kmax: int | None = N
 def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries: torch.Tensor) -> None:
     """summaries [KVH, num_blocks, 2D] <- per-channel (max | min) over the tokens of whole blocks.
 
-    ``key_cache`` is [num_blocks, KVH, block_size, D]. Only full blocks are summarized (the
-    current, partially filled block is always kept and never scored), so a summary is
-    computed once, when its block is first needed, instead of on every cache write.
+    ``key_cache`` is [num_blocks, KVH, block_size, D], or [num_blocks, KVH, token groups, tokens per
+    group, channel groups, channels per group] for a cache that packs a block's keys in tiles (vLLM's
+    AMX layout: workers.pruned_attention.key_cache_view). Only full blocks are summarized (the
+    current, partially filled block is always kept and never scored), so a summary is computed
+    once, when its block is first needed, instead of on every cache write.
     """
     if block_ids.numel() == 0:
         return
     keys = key_cache.index_select(0, block_ids).float()
-    summaries.index_copy_(1, block_ids, pack_summaries(keys.amin(dim=2), keys.amax(dim=2)).transpose(0, 1))
+    tokens = (2,) if keys.dim() == 4 else (2, 3)
+    kmin, kmax = keys.amin(dim=tokens), keys.amax(dim=tokens)
+    if keys.dim() == 6:
+        kmin, kmax = kmin.flatten(-2), kmax.flatten(-2)
+    summaries.index_copy_(1, block_ids, pack_summaries(kmin, kmax).transpose(0, 1))

@@ -102,6 +102,20 @@ def test_bound_is_an_upper_bound_of_every_token_logit():
     assert bool((logits.flatten(1).amax(1) <= scores[0] + 1e-4).all())
 
 
+def test_summaries_of_tile_packed_keys_equal_those_of_plain_keys():
+    """A cache that packs keys in tiles ([blocks, KVH, groups, tokens, channel groups, channels], as
+    vLLM's AMX layout is read) gives the same summaries as the same keys laid out plainly."""
+    torch.manual_seed(2)
+    keys = torch.randn(6, 2, 64, 32)  # blocks, kv heads, tokens, channels
+    packed = keys.view(6, 2, 4, 16, 16, 2).transpose(3, 4).contiguous().transpose(3, 4)  # strided like the view
+    assert not packed.is_contiguous()
+    ids = torch.tensor([1, 4, 5])
+    want, got = torch.zeros(2, 6, 64), torch.zeros(2, 6, 64)
+    summarize_blocks(keys, ids, want)
+    summarize_blocks(packed, ids, got)
+    assert torch.equal(got, want) and bool(want[:, ids].abs().sum(-1).gt(0).all())
+
+
 def test_selection_keeps_sink_and_current_block_in_order():
     scores = torch.tensor([[0.0, 5.0, 1.0, 9.0, 2.0, -1.0, 0.0, 0.0],
                            [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]])

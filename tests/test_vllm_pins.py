@@ -180,8 +180,11 @@ def test_pruned_attention_adapter_points():
             "block_table_tensor", "slot_mapping", "num_actual_tokens"} <= common
     builder_source = inspect.getsource(CPUAttentionMetadataBuilder)
     for attribute in ("self.isa", "self.block_size", "self.num_heads", "self.num_kv_heads", "self.head_dim",
-                      "self.window_size", "self.is_cross_attention", "self.is_encoder_only_attention"):
+                      "self.window_size", "self.is_cross_attention", "self.is_encoder_only_attention",
+                      "self.kv_cache_dtype"):
         assert attribute in builder_source, attribute
+    # the builder sets each layer's ISA, which the impl's forward (and our key_cache_view) reads
+    assert "layer.isa = self.isa" in builder_source and "layer.isa" in inspect.getsource(CPUAttentionBackendImpl.forward)
     # logits processors see the batch before the step's attention metadata is built (workers/pruning_state.py)
     update = inspect.getsource(GPUModelRunner._update_states)
     assert "refresh_metadata" in update
@@ -214,8 +217,12 @@ def test_triton_attention_adapter_points():
     assert "self.block_size" in builder and "_cudagraph_support" in builder
 
 
-def test_cpu_key_cache_layout_is_what_the_pruner_reads():
-    """Write keys with vLLM's own CPU cache op and read them back through key_cache_view."""
+@pytest.mark.parametrize("isa,dtype", [("vec", "float32"), ("vec", "bfloat16"), ("amx", "bfloat16")])
+def test_cpu_key_cache_layout_is_what_the_pruner_reads(isa, dtype):
+    """Write keys with vLLM's own CPU cache op and read them back through key_cache_view.
+
+    "amx" is the layout vLLM's CPU attention uses for bf16 on CPUs with AMX tiles; its cache op is
+    plain stores, so it runs (and is pinned) on any CPU whose vLLM library has the AMX kernels."""
     from importlib.metadata import PackageNotFoundError, distribution
 
     try:
@@ -227,19 +234,25 @@ def test_cpu_key_cache_layout_is_what_the_pruner_reads():
 
     from workers.pruned_attention import SUPPORTED_ISAS, key_cache_view
 
-    blocks, kv_heads, block_size, d = 4, 3, 32, 64
-    kv_cache = torch.zeros(blocks, kv_heads, block_size, 2 * d)
-    tokens = 40
-    key, value = torch.randn(tokens, kv_heads, d), torch.randn(tokens, kv_heads, d)
+    assert isa in SUPPORTED_ISAS
+    if isa == "amx" and not torch.cpu._is_avx512_bf16_supported():
+        # vLLM loads its AVX2 or AVX512 library here, neither built with the AMX kernels
+        pytest.skip("no AVX512-BF16 on this CPU: vLLM's library with the AMX kernels is not the one loaded")
+    blocks, kv_heads, block_size, d = 4, 3, 64, 64
+    kv_cache = torch.zeros(blocks, kv_heads, block_size, 2 * d, dtype=getattr(torch, dtype))
+    tokens = 90
+    key = torch.randn(tokens, kv_heads, d).to(kv_cache.dtype)
+    value = torch.randn(tokens, kv_heads, d).to(kv_cache.dtype)
     slots = torch.arange(block_size, block_size + tokens, dtype=torch.int64)  # blocks 1 and 2
     view = kv_cache.view(blocks, kv_heads, 2 * block_size, d)
     key_cache, value_cache = view.chunk(2, dim=2)
-    for isa in SUPPORTED_ISAS:
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        keys = key_cache_view(kv_cache)
-        for i, slot in enumerate(slots.tolist()):
-            assert torch.equal(keys[slot // block_size, :, slot % block_size], key[i]), (isa, slot)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    keys = key_cache_view(kv_cache, isa)
+    assert keys.data_ptr() == kv_cache.data_ptr()  # a view: summaries read the cache in place
+    keys = keys.reshape(blocks, kv_heads, block_size, d)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(keys[slot // block_size, :, slot % block_size], key[i]), (isa, slot)
 
 
 def test_request_validation_entry_points():

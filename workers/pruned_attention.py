@@ -22,8 +22,10 @@ order, current block last) and the matching shorter sequence length.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -56,38 +58,54 @@ class PrunedCPUAttentionMetadataBuilder(PruningPlanner, CPUAttentionMetadataBuil
     def _prunable(self) -> bool:
         if self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
             return False
-        if self.isa not in SUPPORTED_ISAS:
+        if self.isa not in SUPPORTED_ISAS or is_quantized_kv_cache(self.kv_cache_dtype):
             if not getattr(self, "_warned", False):
-                logger.warning("KV pruning off: CPU attention ISA %r has a key layout this version does not read", self.isa)
+                logger.warning("KV pruning off: CPU attention ISA %r with a %s KV cache has a key layout this "
+                               "version does not read", self.isa, self.kv_cache_dtype)
                 self._warned = True
             return False
         return True
 
 
 # ISAs whose key-cache block layout key_cache_view reads (checked by tests/test_vllm_pins.py
-# against the keys vLLM writes). Others (e.g. "amx" for bf16 on AMX CPUs) stay dense.
-SUPPORTED_ISAS = frozenset({"vec"})
+# against the keys vLLM writes). vLLM picks "amx" for bf16 on CPUs with AMX tiles (Intel Xeons
+# since Sapphire Rapids), "vec" otherwise on x86; others stay dense.
+SUPPORTED_ISAS = frozenset({"vec", "amx"})
+AMX_TOKEN_GROUP = 16  # tokens per AMX B tile: a tile row holds 64 bytes, one 4-byte channel pair per token
 
 
-def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """Keys as [blocks, KV heads, tokens, channels] over vLLM's CPU cache (a view, no copy).
+def key_cache_view(kv_cache: torch.Tensor, isa: str) -> torch.Tensor:
+    """The keys of vLLM's CPU cache (a view, no copy) in a shape ``summarize_blocks`` reads.
 
-    The CPU cache is [blocks, KV heads, block_size, 2 * head_size]; per block and head, the
-    first block_size * head_size elements are the keys stored channel-major ([head_size,
-    block_size], so the kernel reads one channel of every token contiguously), the rest the values.
+    The CPU cache is [blocks, KV heads, block_size, 2 * head_size]; per block and head, the first
+    block_size * head_size elements are the keys, the rest the values. The keys' order there is
+    the kernel's:
+
+    * "vec": channel-major ([head_size, block_size], so the kernel reads one channel of every token
+      contiguously); returned as [blocks, KV heads, tokens, channels].
+    * "amx": packed as the B operand of AMX tiles: tokens in groups of 16, and within a group the
+      channels in 4-byte pairs, all 16 tokens' pair together ([block_size / 16, head_size / 2, 16, 2]);
+      returned as [blocks, KV heads, token groups, 16, channel pairs, 2].
     """
     blocks, kv_heads, block_size, two_d = kv_cache.shape
     d = two_d // 2
     keys = kv_cache.view(blocks, kv_heads, 2 * block_size * d)[:, :, : block_size * d]
-    return keys.view(blocks, kv_heads, d, block_size).transpose(2, 3)
+    if isa == "amx":
+        pair = 4 // kv_cache.element_size()
+        groups = block_size // AMX_TOKEN_GROUP
+        return keys.view(blocks, kv_heads, groups, d // pair, AMX_TOKEN_GROUP, pair).transpose(3, 4)
+    if isa == "vec":
+        return keys.view(blocks, kv_heads, d, block_size).transpose(2, 3)
+    raise ValueError(f"no key layout known for CPU attention ISA {isa!r}")
 
 
 class PrunedCPUAttentionBackendImpl(PrunedLayers, CPUAttentionBackendImpl):
-    def _compacted_table(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
-        key_cache = key_cache_view(kv_cache)
-        blocks, kv_heads = key_cache.shape[:2]
+    def _compacted_table(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
+                         plan: PrunePlan) -> torch.Tensor:
+        key_cache = key_cache_view(kv_cache, layer.isa)  # set on each layer by vLLM's builder
+        blocks, kv_heads, _, two_d = kv_cache.shape
         if self._summaries is None or self._summaries.shape[1] != blocks:
-            self._summaries = torch.zeros(kv_heads, blocks, 2 * key_cache.shape[-1], dtype=torch.float32)
+            self._summaries = torch.zeros(kv_heads, blocks, two_d, dtype=torch.float32)
         summarize_blocks(key_cache, plan.summarize, self._summaries)
         q = query.index_select(0, plan.tokens).view(len(plan.rows), kv_heads, -1, query.shape[-1])
         # Layers run one after another and the kernel reads the table before returning, so

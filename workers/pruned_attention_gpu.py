@@ -57,7 +57,8 @@ class PrunedTritonAttentionImpl(PrunedLayers, TritonAttentionImpl):
     def _prunes(self) -> bool:
         return super()._prunes() and not self._is_per_token_head_quant
 
-    def _compacted_table(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
+    def _compacted_table(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
+                         plan: PrunePlan) -> torch.Tensor:
         return compacted_table(self, query, kv_cache, plan)
 
 

@@ -190,7 +190,7 @@ class PrunedLayers:
                                    output_scale, output_block_scale)
         started = time.perf_counter()
         metadata = copy.copy(attn_metadata)
-        metadata.block_table = self._compacted_table(query, kv_cache, plan)
+        metadata.block_table = self._compacted_table(layer, query, kv_cache, plan)
         STATE.stats.selection_seconds += time.perf_counter() - started
         return super().forward(layer, query, key, value, kv_cache, metadata, output,  # type: ignore[misc]
                                output_scale, output_block_scale)
@@ -204,5 +204,6 @@ class PrunedLayers:
             self._layer_index = int(found.group(1)) if found else 1 << 30
         return self._layer_index
 
-    def _compacted_table(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
+    def _compacted_table(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
+                         plan: PrunePlan) -> torch.Tensor:
         raise NotImplementedError  # the backend's selection for its cache layout
