@@ -156,6 +156,39 @@ def test_fused_cpu_selection_matches_the_torch_path(seed, group):
     assert (table[untouched] == -1).all()
 
 
+@pytest.mark.parametrize("isa,dtype,block_size", [("vec", torch.float32, 64), ("vec", torch.bfloat16, 64),
+                                                  ("vec", torch.float32, 40), ("amx", torch.bfloat16, 64),
+                                                  ("amx", torch.bfloat16, 32)])
+def test_c_key_summaries_match_the_torch_path(isa, dtype, block_size):
+    from kernels.cpu_summary import load, summarize_into
+    from workers.pruned_attention import key_cache_view
+
+    assert load() is not None, "the key-summary library must build here (cc is part of the toolchain)"
+    gen = torch.Generator().manual_seed(block_size)
+    blocks, kv_heads, d = 30, 3, 64
+    cache = torch.randn(blocks, kv_heads, block_size, 2 * d, generator=gen).to(dtype)
+    ids = torch.tensor([0, 7, 3, 29, 12])
+    want, got = torch.zeros(kv_heads, blocks, 2 * d), torch.full((kv_heads, blocks, 2 * d), 99.0)
+    summarize_blocks(key_cache_view(cache, isa), ids, want)
+    assert summarize_into(cache, isa, ids, got)
+    assert torch.equal(got[:, ids], want[:, ids])
+    others = torch.ones(blocks, dtype=torch.bool)
+    others[ids] = False
+    assert bool((got[:, others] == 99.0).all()), "only the listed blocks are written"
+
+
+def test_c_key_summaries_decline_what_they_do_not_read():
+    from kernels.cpu_summary import summarize_into
+
+    summaries = torch.zeros(2, 4, 32)
+    ids = torch.tensor([1])
+    assert not summarize_into(torch.zeros(4, 2, 32, 32, dtype=torch.float16), "vec", ids, summaries)  # dtype
+    assert not summarize_into(torch.zeros(4, 2, 32, 32), "amx", ids, summaries)  # AMX tiles are bf16 only
+    assert not summarize_into(torch.zeros(4, 2, 32, 32), "neon", ids, summaries)  # layout
+    assert not summarize_into(torch.zeros(4, 2, 32, 32), "vec", torch.tensor([4]), summaries)  # block out of range
+    assert bool((summaries == 0).all())
+
+
 def test_triton_kernels_match_torch_under_interpreter(tmp_path):
     # The interpreter must be chosen before triton is imported: run in a fresh process.
     script = textwrap.dedent("""

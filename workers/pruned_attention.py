@@ -15,8 +15,9 @@ order, current block last) and the matching shorter sequence length.
   torch path (kernels.block_select), which selects the same blocks. Only *which* blocks varies
   by layer.
 * Key summaries (per-channel min/max per block and KV head) are computed lazily, for full
-  blocks only, the first time a pruned row needs them, and dropped when a block's first
-  slot is written again (the block pool recycled it). No work is added to cache writes, so
+  blocks only, the first time a pruned row needs them (one C call reading the cache in place,
+  kernels.cpu_summary, else the torch path), and dropped when a block's first slot is written
+  again (the block pool recycled it). No work is added to cache writes, so
   a deployment that never prunes pays only the builder's row check.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from kernels.block_select import block_scores, select_blocks, summarize_blocks
 from kernels.cpu_select import select_into_table
+from kernels.cpu_summary import summarize_into
 from workers.pruning_plan import PrunedLayers, PrunePlan, PruningPlanner
 from workers.pruning_state import STATE
 
@@ -102,11 +104,13 @@ def key_cache_view(kv_cache: torch.Tensor, isa: str) -> torch.Tensor:
 class PrunedCPUAttentionBackendImpl(PrunedLayers, CPUAttentionBackendImpl):
     def _compacted_table(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
                          plan: PrunePlan) -> torch.Tensor:
-        key_cache = key_cache_view(kv_cache, layer.isa)  # set on each layer by vLLM's builder
+        isa = layer.isa  # set on each layer by vLLM's builder
         blocks, kv_heads, _, two_d = kv_cache.shape
         if self._summaries is None or self._summaries.shape[1] != blocks:
             self._summaries = torch.zeros(kv_heads, blocks, two_d, dtype=torch.float32)
-        summarize_blocks(key_cache, plan.summarize, self._summaries)
+        if plan.summarize.numel() and not (
+                STATE.fused_selection and summarize_into(kv_cache, isa, plan.summarize, self._summaries)):
+            summarize_blocks(key_cache_view(kv_cache, isa), plan.summarize, self._summaries)
         q = query.index_select(0, plan.tokens).view(len(plan.rows), kv_heads, -1, query.shape[-1])
         # Layers run one after another and the kernel reads the table before returning, so
         # every layer reuses the plan's scratch table.

@@ -86,7 +86,8 @@ class PruningState:
         # Debug/test knob: send rows through selection even when every block is kept, to show the
         # pruned path itself (compacted table, scheduler metadata) changes nothing.
         self.always_select = False
-        # The fused C selection (kernels.cpu_select); False runs the torch path (benchmarks compare both).
+        # The C kernels (selection: kernels.cpu_select, key summaries: kernels.cpu_summary); False runs the
+        # torch path (benchmarks compare both).
         self.fused_selection = True
 
     def attach_rows(self, rows: dict[int, Any]) -> None:
