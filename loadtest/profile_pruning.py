@@ -14,7 +14,7 @@ per call, ~1 µs, against steps of tens of milliseconds):
 
 * ``attention``: vLLM's CPU attention (``CPUAttentionBackendImpl.forward``: cache write and kernel), every layer;
 * ``selection``: choosing each pruned layer's blocks (``_compacted_table``) without the key summaries;
-* ``summaries``: per-block key summaries computed for blocks that have none yet;
+* ``summaries``: per-block key summaries computed for blocks that have none yet (C kernel or torch path);
 * ``layer wrapper``: the rest of our per-layer ``forward`` (the metadata copy, the plan lookup);
 * ``plan``: the once-per-step pruning plan (K per row, compacted lengths) in the metadata builder;
 * ``logits processor``: our entropy telemetry (only the pruned arm runs it: pruning reads entropy);
@@ -89,6 +89,8 @@ def install(timers: Timers, pruned: bool) -> None:
 
     timers.wrap(PrunedLayers, "forward", "layer total")
     timers.wrap(pa.PrunedCPUAttentionBackendImpl, "_compacted_table", "selection total")
+    # the C kernel, and the torch path where the kernel declines: one part
+    timers.wrap(pa, "summarize_into", "summaries")
     timers.wrap(pa, "summarize_blocks", "summaries")
     timers.wrap(PruningPlanner, "_plan", "plan")
     timers.wrap(EntropicLogitsProcessor, "apply", "logits processor")

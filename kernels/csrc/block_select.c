@@ -22,6 +22,7 @@
 
 #define MAX_W 8192
 #define MAX_GD 4096
+#define PREFETCH 4 /* blocks ahead */
 
 /* The k-th largest value (k >= 1) of a[0..n), reordering a (Hoare quickselect). */
 static float kth_largest(float *a, int n, int k) {
@@ -122,6 +123,13 @@ int entropic_select_blocks(const float *q, const float *summaries, int64_t num_b
                 }
             const float *sh = summaries + (int64_t)h * num_blocks * d2;
             for (int w = 0; w < width; w++) {
+                /* The blocks' summaries lie at scattered physical ids, usually out of cache (the step's
+                 * weights streamed through since the last layer): ask for the one PREFETCH blocks
+                 * ahead now, so its loads overlap this block's dot products instead of waiting */
+                if (w + PREFETCH < width) {
+                    const char *ahead = (const char *)(sh + phys[w + PREFETCH] * d2);
+                    for (int line = 0; line < d2 * (int)sizeof(float); line += 64) __builtin_prefetch(ahead + line);
+                }
                 if (isinf(b[w])) continue; /* forced in or out: no need to score */
                 float acc = max_dot(signed_q, sh + phys[w] * d2, group, d2);
                 if (acc > scores[w]) scores[w] = acc;
