@@ -14,7 +14,8 @@ from kernels import cbuild
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.entropic_select_blocks.argtypes = [p, p, i64, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p, i64, p]
+    lib.entropic_select_blocks.argtypes = [p, i32, i64, p, p, i64, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float,
+                                           p, i64, p]
     lib.entropic_select_blocks.restype = i32
 
 
@@ -23,25 +24,33 @@ def load() -> ctypes.CDLL | None:
     return cbuild.load("block_select", _declare)
 
 
-def select_into_table(q: torch.Tensor, summaries: torch.Tensor, physical: torch.Tensor, bias: torch.Tensor,
-                      keep: torch.Tensor, scale: float, table: torch.Tensor, rows: torch.Tensor) -> bool:
+def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torch.Tensor, physical: torch.Tensor,
+                      bias: torch.Tensor, keep: torch.Tensor, scale: float, table: torch.Tensor,
+                      rows: torch.Tensor) -> bool:
     """Score, select and write the kept blocks of each pruned row into ``table`` (vLLM's int32 block table).
 
-    q [P, KVH, G, D] float32; summaries [KVH, NB, 2D] float32; physical [P, W] int64; bias [P, W]
-    float32; keep, rows [P] int64; table [R, max_blocks] int32 with contiguous rows. Returns False
-    (nothing written) when the library is unavailable or the shapes are outside its limits.
+    query [T, H, D] float32 or bf16 (the layer's query; each token's heads and channels contiguous), of which
+    row p scores with token tokens[p], its H heads in KV-head groups; summaries [KVH, NB, 2D] float32;
+    physical [P, W] int64; bias [P, W] float32; tokens, keep, rows [P] int64; table [R, max_blocks] int32
+    with contiguous rows. Returns False (nothing written) when the library is unavailable or the shapes
+    are outside its limits.
     """
-    lib = load()
-    if lib is None or table.dtype != torch.int32 or table.stride(1) != 1:
+    if (table.dtype != torch.int32 or table.stride(1) != 1 or query.dim() != 3
+            or query.dtype not in (torch.float32, torch.bfloat16)):
+        return False
+    heads, d = query.shape[1:]
+    if query.stride(2) != 1 or query.stride(1) != d:
         return False
     expected = ((summaries, torch.float32), (physical, torch.int64), (bias, torch.float32), (keep, torch.int64),
-                (rows, torch.int64))
+                (rows, torch.int64), (tokens, torch.int64))
     if any(t.dtype != dtype or not t.is_contiguous() for t, dtype in expected):
         return False
-    q = q.contiguous().float()
-    rows_n, kv_heads, group, d = q.shape
+    lib = load()
+    if lib is None:
+        return False
+    kv_heads = summaries.shape[0]
     status = lib.entropic_select_blocks(
-        q.data_ptr(), summaries.data_ptr(), summaries.shape[1], physical.data_ptr(), bias.data_ptr(),
-        keep.data_ptr(), rows_n, kv_heads, group, d, physical.shape[1], float(scale), table.data_ptr(),
-        table.stride(0), rows.data_ptr())
+        query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), tokens.data_ptr(), summaries.data_ptr(),
+        summaries.shape[1], physical.data_ptr(), bias.data_ptr(), keep.data_ptr(), len(rows), kv_heads,
+        heads // kv_heads, d, physical.shape[1], float(scale), table.data_ptr(), table.stride(0), rows.data_ptr())
     return status == 0

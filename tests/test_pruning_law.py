@@ -129,9 +129,11 @@ def test_selection_keeps_sink_and_current_block_in_order():
     assert full[0].tolist() == list(range(6))
 
 
-# group: query heads per KV head; 1-8 take the kernel's unrolled paths, 12 its general loop
-@pytest.mark.parametrize("seed,group", [(0, 3), (1, 3), (2, 3), (3, 1), (4, 8), (5, 12)])
-def test_fused_cpu_selection_matches_the_torch_path(seed, group):
+# group: query heads per KV head; 1-8 take the kernel's unrolled paths, 12 its general loop; the query is
+# read in place from a layer's [tokens, heads, D] query (float32 or bf16, rows strided as a slice of vLLM's qkv)
+@pytest.mark.parametrize("seed,group,dtype", [(0, 3, torch.float32), (1, 3, torch.bfloat16), (2, 3, torch.float32),
+                                              (3, 1, torch.bfloat16), (4, 8, torch.float32), (5, 12, torch.float32)])
+def test_fused_cpu_selection_matches_the_torch_path(seed, group, dtype):
     from kernels.cpu_select import load, select_into_table
 
     assert load() is not None, "the fused selection library must build here (cc is part of the toolchain)"
@@ -142,10 +144,14 @@ def test_fused_cpu_selection_matches_the_torch_path(seed, group):
     physical = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in range(rows)])
     keep = torch.minimum(torch.randint(2, 20, (rows,), generator=gen), nblocks)
     bias = selection_bias(nblocks, width, torch.randn(rows, width, generator=gen))
-    q = torch.randn(rows, kv_heads, group, d, generator=gen)
+    heads = kv_heads * group
+    qkv = torch.randn(11, heads + 2 * kv_heads, d, generator=gen).to(dtype)
+    query = qkv[:, :heads]  # a slice of the fused projection: token rows strided, heads and channels contiguous
+    tokens = torch.tensor([9, 2, 0, 5, 10])
+    q = query.index_select(0, tokens).float().view(rows, kv_heads, group, d)
     table_rows = torch.tensor([7, 0, 3, 9, 4])
     table = torch.full((10, 80), -1, dtype=torch.int32)
-    assert select_into_table(q, summaries, physical, bias, keep, 0.125, table, table_rows)
+    assert select_into_table(query, tokens, summaries, physical, bias, keep, 0.125, table, table_rows)
     want = physical.gather(1, select_blocks(block_scores(q, summaries, physical, 0.125, bias), keep))
     for p in range(rows):
         k = int(keep[p])

@@ -111,12 +111,13 @@ class PrunedCPUAttentionBackendImpl(PrunedLayers, CPUAttentionBackendImpl):
         if plan.summarize.numel() and not (
                 STATE.fused_selection and summarize_into(kv_cache, isa, plan.summarize, self._summaries)):
             summarize_blocks(key_cache_view(kv_cache, isa), plan.summarize, self._summaries)
-        q = query.index_select(0, plan.tokens).view(len(plan.rows), kv_heads, -1, query.shape[-1])
         # Layers run one after another and the kernel reads the table before returning, so
         # every layer reuses the plan's scratch table.
-        if STATE.fused_selection and select_into_table(q, self._summaries, plan.physical, plan.bias, plan.keep,
-                                                       self.scale, plan.table, plan.rows):
+        # query: [tokens, heads, head size]
+        if STATE.fused_selection and select_into_table(query, plan.tokens, self._summaries, plan.physical, plan.bias,
+                                                       plan.keep, self.scale, plan.table, plan.rows):
             return plan.table
+        q = query.index_select(0, plan.tokens).view(len(plan.rows), kv_heads, -1, query.shape[-1])
         scores = block_scores(q, self._summaries, plan.physical, self.scale, plan.bias)
         chosen = select_blocks(scores, plan.keep, plan.kmax, plan.beyond)
         plan.table[plan.rows, : plan.kmax] = plan.physical.gather(1, chosen).to(plan.table.dtype)

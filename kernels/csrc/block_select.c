@@ -1,6 +1,6 @@
 /* Fused block scoring + top-K selection for entropic KV pruning on CPU (see kernels/block_select.py).
  *
- * One call per attention layer and step does, for every pruned row p:
+ * One call per attention layer and step does, for every pruned row p (its query read from the layer's):
  *   score[w] = bias[p,w] + scale * max_{h in KV heads, g in group} sum_c max(q c * kmax c, q c * kmin c)
  * over its W logical blocks (physical ids physical[p,w]; summaries [KVH, NB, 2D] = (kmax | kmin)),
  * keeps the keep[p] highest (the +inf bias of the sink and current block puts them in; -inf past
@@ -100,7 +100,19 @@ static float max_dot(const float *sq, const float *s, int group, int n) {
     return best;
 }
 
-int entropic_select_blocks(const float *q, const float *summaries, int64_t num_blocks,
+static inline float query_at(const void *row, int bf16, int i) {
+    if (!bf16) return ((const float *)row)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* query: the layer's query, one row of kv_heads * group * d values per token (float32, or bf16 when
+ * query_bf16), rows query_stride elements apart; row p's query is token query_tokens[p]. Read in place:
+ * gathering and converting them in torch first cost more than the scoring. */
+int entropic_select_blocks(const void *query, int query_bf16, int64_t query_stride, const int64_t *query_tokens,
+                           const float *summaries, int64_t num_blocks,
                            const int64_t *physical, const float *bias, const int64_t *keep,
                            int rows, int kv_heads, int group, int d, int width, float scale,
                            int32_t *table, int64_t table_stride, const int64_t *table_rows) {
@@ -114,10 +126,10 @@ int entropic_select_blocks(const float *q, const float *summaries, int64_t num_b
         for (int h = 0; h < kv_heads; h++) {
             /* [q+ | q-] per query head of this KV head's group: max(q k_max, q k_min) channel-wise
              * is q+ k_max + q- k_min, one dot product against the packed (kmax | kmin) summary */
-            const float *qh = q + (((int64_t)p * kv_heads + h) * group) * d;
+            const char *qrow = (const char *)query + query_tokens[p] * query_stride * (query_bf16 ? 2 : 4);
             for (int g = 0; g < group; g++)
                 for (int c = 0; c < d; c++) {
-                    float v = qh[g * d + c];
+                    float v = query_at(qrow, query_bf16, (h * group + g) * d + c);
                     signed_q[g * d2 + c] = v > 0.f ? v : 0.f;
                     signed_q[g * d2 + d + c] = v < 0.f ? v : 0.f;
                 }
