@@ -36,3 +36,19 @@ def generate_counting_kept(llm: Any, prompts: list[str], params: list[Any]) -> t
     outs = llm.generate(list(prompts), list(params), use_tqdm=False)
     total = STATE.stats.blocks_total - total
     return outs, (STATE.stats.blocks_kept - kept) / total if total else 1.0
+
+
+def dense_and_kept_all(llm: Any, prompts: list[str], max_tokens: int) -> tuple[list[Any], list[Any], float]:
+    """Greedy outputs with dense attention, then through the pruned path with every block kept (each row
+    forced through selection and the compacted table), and the second run's kept fraction: the pruned
+    path itself must change no token."""
+    from workers.pruning_state import STATE
+
+    dense, _ = generate_counting_kept(llm, prompts, [greedy_params(max_tokens)[0] for _ in prompts])
+    STATE.always_select = True
+    try:
+        kept_all, ratio = generate_counting_kept(
+            llm, prompts, [greedy_params(max_tokens, PruningControl(keep_min=1.0))[0] for _ in prompts])
+    finally:
+        STATE.always_select = False
+    return dense, kept_all, ratio

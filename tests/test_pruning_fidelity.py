@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from loadtest.pruned_requests import generate_counting_kept, greedy_params
+from loadtest.pruned_requests import dense_and_kept_all, generate_counting_kept, greedy_params
 from loadtest.workload import passkey_prompt
 from workers.control_params import PruningControl
 
@@ -66,15 +66,7 @@ def test_prompt_lengths_cover_2k_4k_7k(llm, passkeys):
 
 
 def test_everything_kept_through_the_pruned_path_is_identical_to_dense(llm, passkeys):
-    from workers.pruning_state import STATE
-
-    prompts = passkeys[0][3:6]
-    dense, _, _ = _generate(llm, prompts, None, 16)
-    STATE.always_select = True
-    try:
-        kept_all, _, ratio = _generate(llm, prompts, PruningControl(keep_min=1.0), 16)
-    finally:
-        STATE.always_select = False
+    dense, kept_all, ratio = dense_and_kept_all(llm, passkeys[0][3:6], 16)
     assert ratio == 1.0
     assert [o.outputs[0].token_ids for o in kept_all] == [o.outputs[0].token_ids for o in dense]
 

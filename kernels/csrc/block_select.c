@@ -1,6 +1,6 @@
 /* Fused block scoring + top-K selection for entropic KV pruning on CPU (see kernels/block_select.py).
  *
- * One call per attention layer and step does, for every pruned row p (its query read from the layer's):
+ * One call per attention layer and step does, for every pruned row p (its query read in place from the layer's):
  *   score[w] = bias[p,w] + scale * max_{h in KV heads, g in group} sum_c max(q c * kmax c, q c * kmin c)
  * over its W logical blocks (physical ids physical[p,w]; summaries [KVH, NB, 2D] = (kmax | kmin)),
  * keeps the keep[p] highest (the +inf bias of the sink and current block puts them in; -inf past
