@@ -3,9 +3,10 @@
     make bench-core ARGS="--rounds 4"       (writes docs/results/core-overhead.{md,json})
 
 One process holds two things built from the same ``EngineConfig``: a ``workers.core.ReplicaCore`` as
-it serves (engine on its own thread, requests through ``ReplicaCore.generate``, entropy telemetry on,
-control step running; sampling control, pruning and π scheduling off, since they change what is
-computed) and a bare ``LLMEngine`` (no logits processor of ours), stepped in a plain loop by the caller.
+it serves (engine on its own thread, requests through ``ReplicaCore.generate``, entropy telemetry
+on unless ``--no-telemetry``, control step running; sampling control, pruning and π scheduling off,
+since they change what is computed) and a bare ``LLMEngine`` (no logits processor of ours), stepped
+in a plain loop by the caller.
 Our vLLM plugin is not loaded (``VLLM_PLUGINS``), so both run vLLM's own CPU attention: what differs
 is the replica's path around the engine, not the attention backend. ``--with-plugin`` loads it, as
 serving does: both arms then run our attention backend, and the core's requests carry the entropic
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--with-plugin", action="store_true",
                         help="load our vLLM plugin (as serving does): both arms then run our CPU attention backend")
+    parser.add_argument("--no-telemetry", action="store_true",
+                        help="the core without entropy telemetry (telemetry: false), to tell its cost from the rest")
     parser.add_argument("--out", default="docs/results/core-overhead")
     args = parser.parse_args(argv)
     if not args.with_plugin:  # before vLLM loads its plugins: vLLM's own CPU attention in both arms
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.model_store import resolve_model
 
     engine = EngineConfig(max_model_len=4096, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads)
-    config = ReplicaConfig(engine=engine, sampling=SamplingControl(enabled=False),
+    config = ReplicaConfig(engine=engine, telemetry=not args.no_telemetry, sampling=SamplingControl(enabled=False),
                            pruning=PruningControl(enabled=False), scheduling=SchedulingConfig(enabled=False))
     core = ReplicaCore(config, replica_id="core", metrics_registry=CollectorRegistry())
     from vllm import EngineArgs, SamplingParams
@@ -110,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, vllm {m['vllm']}; "
             f"dtype {m['cpu_dtype_auto']}, {args.threads} engine threads, max_num_seqs {args.max_num_seqs}.", "",
             f"{args.requests} chat requests x {args.max_tokens} tokens (greedy, ignore_eos: decode speed), "
-            f"{args.rounds} rounds, order alternated. Core: ReplicaCore.generate with telemetry on (sampling "
-            "control, pruning, π off); bare: LLMEngine.step in a loop. Our vLLM plugin "
+            f"{args.rounds} rounds, order alternated. Core: ReplicaCore.generate with telemetry "
+            f"{'off' if args.no_telemetry else 'on'} (sampling control, pruning, π off); "
+            "bare: LLMEngine.step in a loop. Our vLLM plugin "
             + ("loaded (both arms run our CPU attention backend)." if args.with_plugin else
                "not loaded (both arms run vLLM's CPU attention)."), "",
             "| round | bare tok/s | core tok/s | core / bare |", "|---|---|---|---|",

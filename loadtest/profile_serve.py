@@ -75,9 +75,11 @@ def model_process(label: str) -> int:
 def model_thread(label: str, pid: int, threads: dict[int, tuple[str, int]]) -> int:
     if label == "ours":
         named = [tid for tid, (name, _) in threads.items() if name == "vllm-engine"]
-        if len(named) != 1:
+        if not named:
             raise RuntimeError(f"no thread named vllm-engine in {pid}: {sorted(n for n, _ in threads.values())}")
-        return named[0]
+        # A pinned engine that may borrow a core has an OpenMP worker thread too, which inherits the name of
+        # the engine thread that created it: that one came second
+        return min(named)
     return pid  # vLLM's worker runs the model on its main thread
 
 

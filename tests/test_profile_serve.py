@@ -47,3 +47,14 @@ def test_stacks_give_the_gil_wait_and_the_python_functions_of_the_model_thread_o
     assert summary["samples"] == 10 and summary["gil_wait_share"] == 0.1
     assert summary["functions"] == [["step (engine/core.py)", 0.9], ["forward (models/llama.py)", 0.6],
                                     ["apply (workers/sampling.py)", 0.3]]
+
+
+def test_our_model_thread_is_the_first_of_the_threads_named_vllm_engine():
+    """A pinned engine that may borrow a core starts an OpenMP worker, which inherits the engine thread's
+    name (a profile run failed on the two): the engine thread is the one started first."""
+    from loadtest.profile_serve import model_thread
+
+    threads = {7: ("engine-r1", 0), 12: ("vllm-engine", 0), 15: ("vllm-engine", 0), 9: ("gloo_tcp_loop", 0)}
+    assert model_thread("ours", 7, threads) == 12
+    with pytest.raises(RuntimeError, match="no thread named vllm-engine"):
+        model_thread("ours", 7, {7: ("engine-r1", 0)})
