@@ -187,10 +187,10 @@ def test_a_request_past_its_deadline_gets_408_or_an_in_band_error_and_the_engine
 
     with cf.ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
-        lines = pool.submit(streamed)
+        stream = pool.submit(streamed)
         response = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=300)
         elapsed = time.monotonic() - started
-        lines = lines.result(timeout=300)
+        lines = stream.result(timeout=300)
     assert response.status_code == 408, response.text
     assert response.json()["error"]["type"] == "RequestTimeoutError"
     assert DEADLINE_S <= elapsed < DEADLINE_S + 10
