@@ -3,7 +3,8 @@
 ``greedy_params`` builds the SamplingParams the way ``workers.prompts.sampling_params`` does for a
 served request (our ``entropic`` args, the pruning args, vLLM's raw logprob of each sampled token when
 the pruner needs surprisal), plus the optional fidelity args of ``loadtest.instruments``.
-``generate_counting_kept`` runs a batch and returns the share of KV blocks the pruner attended.
+``generate_counting_kept`` runs a batch and returns the share of KV blocks the pruner attended;
+``dense_and_kept_all`` runs a batch dense and then through the pruned path with every block kept.
 """
 from __future__ import annotations
 
