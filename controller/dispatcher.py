@@ -33,6 +33,8 @@ from controller.messages import Admission, Grant, TelemetryReport
 # π's memory term counts blocks; a queued request has none yet, so its prompt is priced in blocks of this
 # size. Only the order among queued requests uses it, and they all use the same unit.
 _QUEUE_BLOCK_TOKENS = 64
+# Decisions that granted something, kept for /debug/dispatch: enough to see one burst whole.
+_RECENT_DECISIONS = 32
 
 
 @dataclass(slots=True)
@@ -67,6 +69,9 @@ class Dispatcher:
         self._replicas: dict[str, _Replica] = {}
         self._granted: dict[str, tuple[str, float]] = {}  # key -> (replica, granted at), until seen in a report
         self._decision_pending = False
+        # What each recent granting decision saw and chose: loads move with every report, so why a burst
+        # split the way it did can only be read from the inputs of the decisions themselves.
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT_DECISIONS)
         self._queued = Gauge("entropic_dispatch_queue_length", "Requests waiting in the controller's queue",
                              registry=registry)
         self._oldest = Gauge("entropic_dispatch_queue_oldest_seconds", "How long the oldest queued request has "
@@ -157,6 +162,9 @@ class Dispatcher:
                  for rid, r in live.items()}
         queue = [self._queued_request(entry, now) for entry in self._queue.values()]
         decision = dispatch(queue, slots, now)
+        if decision.assigned:
+            self._recent.append({"at_s": now, "assigned": [list(a) for a in decision.assigned],
+                                 "replicas": {rid: _slots_json(s) for rid, s in slots.items()}})
         for key, rid in decision.assigned:
             entry = self._queue.pop(key)
             self._granted[key] = (rid, now)
@@ -215,4 +223,13 @@ class Dispatcher:
                            "prompt_tokens": e.admission.prompt_tokens} for e in self._queue.values()],
                 "replicas": {rid: {"heard_s_ago": now - r.heard, "in_flight": sorted(granted[rid]),
                                    "running": r.report.load.running, "waiting": r.report.load.waiting,
-                                   "kv_free_tokens": r.report.kv_free_tokens} for rid, r in self._replicas.items()}}
+                                   "kv_free_tokens": r.report.kv_free_tokens} for rid, r in self._replicas.items()},
+                "decisions": [{**d, "at_s_ago": now - d["at_s"]} for d in self._recent]}
+
+
+def _slots_json(slots: ReplicaSlots) -> dict[str, Any]:
+    load = slots.load
+    return {"running": load.running, "waiting": load.waiting, "max_num_seqs": load.max_num_seqs,
+            "step_s": load.step_s, "unit_step_s": load.unit_step_s, "remaining": list(load.remaining),
+            "in_flight": slots.in_flight, "kv_free_tokens": slots.kv_free_tokens,
+            "kv_total_tokens": slots.kv_total_tokens}

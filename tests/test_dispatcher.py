@@ -118,6 +118,29 @@ def test_a_burst_is_spread_by_free_slots_and_counted_until_the_reports_show_it()
     asyncio.run(run())
 
 
+def test_the_snapshot_keeps_what_each_granting_decision_saw_and_chose():
+    """/debug/dispatch shows, per recent decision that granted something, each replica's inputs as the law
+    saw them (in flight included) and the grants in order, so a split can be explained after the fact."""
+    async def run():
+        d = _dispatcher()
+        d.observe(_report("r1", ["a"]))
+        d.observe(_report("r2", []))
+        first = d.enqueue(_admission("q1"))
+        await asyncio.sleep(0)
+        second = d.enqueue(_admission("q2"))
+        await asyncio.sleep(0)
+        assert first.done() and second.done()
+        decisions = d.snapshot()["decisions"]
+        assert [x["assigned"] for x in decisions] == [[["q1", "r2"]], [["q2", "r1"]]]
+        # the second decision counted q1 against r2 (in flight, not yet in a report): both had one then
+        assert {r: (s["running"], s["in_flight"]) for r, s in decisions[1]["replicas"].items()} == \
+            {"r1": (1, 0), "r2": (0, 1)}
+        assert decisions[1]["replicas"]["r1"]["unit_step_s"] == 0.04 and decisions[0]["at_s_ago"] >= 0
+        d.observe(_report("r1", ["a"]))  # a decision that grants nothing is not kept
+        assert len(d.snapshot()["decisions"]) == 2
+    asyncio.run(run())
+
+
 def test_a_request_seen_on_another_replica_is_counted_as_landed_elsewhere():
     async def run():
         registry = CollectorRegistry()
