@@ -121,3 +121,28 @@ def test_deltas_carry_the_stop_token_mass_that_ends_the_request(core):
     assert all(p is not None and 0.0 <= p <= 1.0 for p in stops), stops
     # greedy picked EOS at the last step, so EOS had the most mass there; before, another token had more
     assert stops[-1] > 0.2 and stops[-1] > max(stops[:-1]), stops
+
+
+def test_a_stream_whose_event_loop_closed_is_aborted_and_the_engine_goes_on(core):
+    """A caller's event loop can close while its stream is open (a harness that ended without closing
+    it). The engine thread hands a step's deltas to each loop in one call, and a closed loop cannot take
+    them: that request is aborted in the engine, and the engine serves the next one (this module's
+    last test: the abandoned generator's bookkeeping in the core is never unwound)."""
+    import time
+
+    from deployments.protocol import EntropicChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "Count from one to a hundred."}], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True}
+    loop = asyncio.new_event_loop()
+    stream = core.generate("chat", EntropicChatCompletionRequest(**body))
+    first = loop.run_until_complete(stream.__anext__())
+    assert first.token_ids and not first.finished
+    loop.close()
+    deadline = time.monotonic() + 30
+    while core.runner.scheduler_counts() != (0, 0):
+        assert time.monotonic() < deadline, "the engine kept stepping a request nobody can read"
+        time.sleep(0.1)
+    assert core.runner.alive
+    again, = _run(core, [{**body, "max_tokens": 8}])
+    assert again[-1].finished and sum(len(d.token_ids) for d in again) == 8

@@ -187,6 +187,7 @@ class EngineRunner:
         self._on_abort = on_abort  # called with why a request ended early: client_gone, failed, engine_stopped
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        self._outbox: list[tuple[_Stream, Delta]] = []  # this step's deltas, posted together after it
         self._lock = threading.Lock()  # registering a stream vs. failing them all when the loop dies
         self._stop = threading.Event()
         self.fatal: BaseException | None = None
@@ -307,7 +308,7 @@ class EngineRunner:
             logger.exception("aborting request %s failed", request_id)
         self._forget(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            _hand(stream, error)
         self._ended_early("invalid" if isinstance(error, InvalidRequest) else "failed")
 
     def _is_unstarted(self, stream: _Stream) -> bool:
@@ -323,7 +324,7 @@ class EngineRunner:
         del self._streams[key]
         self.engine.abort_request([key])
         self._forget(key)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestMoved(key, replica_id))
+        _hand(stream, RequestMoved(key, replica_id))
         self._ended_early("moved")
 
     def _unstarted_now(self) -> frozenset[str]:
@@ -388,6 +389,7 @@ class EngineRunner:
                 self.steps += 1
                 step_seconds = time.perf_counter() - started
                 produced = [d for d in (self._deliver_isolated(o) for o in outputs) if d is not None]
+                self._post()
                 self.unstarted = self._unstarted_now()
                 if self._on_step is not None:
                     # A request still in the scheduler's running list that produced nothing was prefilling a chunk
@@ -406,8 +408,7 @@ class EngineRunner:
             self.fatal = exc
             streams, self._streams = self._streams, {}
         for stream in streams.values():  # before its first output the ingress may retry it elsewhere
-            stream.loop.call_soon_threadsafe(
-                stream.queue.put_nowait, ReplicaUnavailable("the engine on this replica failed before the request finished"))
+            _hand(stream, ReplicaUnavailable("the engine on this replica failed before the request finished"))
             if self._on_abort is not None:
                 self._on_abort("engine_stopped")
         if self._on_fatal is not None:
@@ -464,9 +465,23 @@ class EngineRunner:
         if output.finished:
             self._streams.pop(output.request_id, None)
             self._forget(stream.key)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+        self._outbox.append((stream, delta))
         return delta
 
+    def _post(self) -> None:
+        """Hand a step's deltas to their event loops, one wake-up per loop per step (each
+        ``call_soon_threadsafe`` writes to the loop's self-pipe). A loop that has closed cannot take them:
+        its requests are aborted here, where raising would stop the engine for every request."""
+        outbox, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Delta]]] = {}
+        for stream, delta in outbox:
+            by_loop.setdefault(stream.loop, []).append((stream, delta))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, [(stream.queue, delta) for stream, delta in items])
+            except RuntimeError:  # that loop has closed: nobody is left to read these requests, free them
+                for stream, _ in items:
+                    self._abort(stream.key)
 
     def _feed_surprisal(self, stream: _Stream, output: Any, completion: Any) -> None:
         """Token surprisal -log p(x_i | x_<i) from vLLM's raw logprobs, for the block scores."""
@@ -480,6 +495,19 @@ class EngineRunner:
         if completion.logprobs:
             values = [_surprisal(entry) for entry in completion.logprobs]
             track.add_surprisal(stream.prompt_tokens + stream.emitted, values, block_size)
+
+
+def _hand(stream: _Stream, item: BaseException) -> None:
+    """One stream's last item; a caller whose loop has closed is past hearing it."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue_, delta in items:
+        queue_.put_nowait(delta)
 
 
 def name_os_thread(name: str) -> None:
