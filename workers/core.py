@@ -171,6 +171,10 @@ class ReplicaCore:
     def load(self) -> ReplicaLoad:
         """What routing needs of this replica now."""
         running, waiting = self.runner.scheduler_counts()
+        # A request accepted here reaches the engine's scheduler only at the engine thread's next step, and
+        # the controller stops counting a grant as in flight once a report shows its key: counted as
+        # waiting meanwhile, it takes a slot in every view from the moment it lands
+        waiting = max(waiting, len(self._active) - running)
         cap = self.scheduling.remaining_cap_tokens
         return ReplicaLoad(running=running, waiting=waiting, max_num_seqs=self.config.engine.max_num_seqs,
                            step_s=self.metrics.recent_step_s, unit_step_s=self.metrics.recent_unit_step_s,
