@@ -69,9 +69,10 @@ class Dispatcher:
         self._replicas: dict[str, _Replica] = {}
         self._granted: dict[str, tuple[str, float]] = {}  # key -> (replica, granted at), until seen in a report
         self._decision_pending = False
-        # What each recent granting decision saw and chose: loads move with every report, so why a burst
-        # split the way it did can only be read from the inputs of the decisions themselves.
-        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT_DECISIONS)
+        # What each recent granting decision saw and chose (when, grants, the law's frozen inputs): loads move
+        # with every report, so why a burst split as it did can only be read from the decisions themselves.
+        self._recent: collections.deque[tuple[float, tuple[tuple[str, str], ...], dict[str, ReplicaSlots]]] = \
+            collections.deque(maxlen=_RECENT_DECISIONS)
         self._queued = Gauge("entropic_dispatch_queue_length", "Requests waiting in the controller's queue",
                              registry=registry)
         self._oldest = Gauge("entropic_dispatch_queue_oldest_seconds", "How long the oldest queued request has "
@@ -162,9 +163,8 @@ class Dispatcher:
                  for rid, r in live.items()}
         queue = [self._queued_request(entry, now) for entry in self._queue.values()]
         decision = dispatch(queue, slots, now)
-        if decision.assigned:
-            self._recent.append({"at_s": now, "assigned": [list(a) for a in decision.assigned],
-                                 "replicas": {rid: _slots_json(s) for rid, s in slots.items()}})
+        if decision.assigned:  # rendered as JSON only when /debug/dispatch asks
+            self._recent.append((now, decision.assigned, slots))
         for key, rid in decision.assigned:
             entry = self._queue.pop(key)
             self._granted[key] = (rid, now)
@@ -224,7 +224,9 @@ class Dispatcher:
                 "replicas": {rid: {"heard_s_ago": now - r.heard, "in_flight": sorted(granted[rid]),
                                    "running": r.report.load.running, "waiting": r.report.load.waiting,
                                    "kv_free_tokens": r.report.kv_free_tokens} for rid, r in self._replicas.items()},
-                "decisions": [{**d, "at_s_ago": now - d["at_s"]} for d in self._recent]}
+                "decisions": [{"at_s": at, "at_s_ago": now - at, "assigned": [list(a) for a in assigned],
+                               "replicas": {rid: _slots_json(s) for rid, s in seen.items()}}
+                              for at, assigned, seen in self._recent]}
 
 
 def _slots_json(slots: ReplicaSlots) -> dict[str, Any]:

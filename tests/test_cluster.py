@@ -85,6 +85,7 @@ def test_a_burst_is_dispatched_by_free_slots_and_lands_where_granted(server, cli
     The law's inputs move while the burst is decided: the requests reach the controller one by one, and
     a report between two of them brings new step times (the first requests are running by then). So the
     split is checked against the inputs each decision recorded, not against a view read beforehand."""
+    from controller.laws.dispatch import ReplicaSlots, free_slots
     from controller.laws.routing import ReplicaLoad, expected_delay
 
     deadline = time.time() + 30
@@ -124,13 +125,15 @@ def test_a_burst_is_dispatched_by_free_slots_and_lands_where_granted(server, cli
         # what was granted before counts against its replica (none of ours can have finished yet)
         assert all(s["in_flight"] + s["running"] + s["waiting"] >= before[r] for r, s in slots.items()), (before, d)
         before.update(rid for key, rid in d["assigned"] if key in ours)
-        loads = {rid: ReplicaLoad(**{k: v for k, v in s.items() if k in ReplicaLoad.__slots__} |
-                                  {"remaining": tuple(s["remaining"])}) for rid, s in slots.items()}
+        recorded = {rid: ReplicaSlots(load=ReplicaLoad(**{k: s[k] for k in ("running", "waiting", "max_num_seqs",
+                                                                          "step_s", "unit_step_s")},
+                                                      remaining=tuple(s["remaining"])),
+                                      in_flight=s["in_flight"], kv_free_tokens=s["kv_free_tokens"],
+                                      kv_total_tokens=s["kv_total_tokens"]) for rid, s in slots.items()}
         placed = dict.fromkeys(slots, 0)
         for key, rid in d["assigned"]:
-            free = [r for r, s in slots.items()
-                    if s["max_num_seqs"] - max(0, s["running"] + s["waiting"]) - s["in_flight"] > placed[r]]
-            delay = {r: expected_delay(loads[r], 0, slots[r]["in_flight"] + placed[r]) for r in free}
+            free = [r for r, rs in recorded.items() if free_slots(rs) > placed[r]]
+            delay = {r: expected_delay(recorded[r].load, 0, recorded[r].in_flight + placed[r]) for r in free}
             assert rid in free and delay[rid] == min(delay.values()), (key, rid, delay, d)
             placed[rid] += 1
     assert _dispatch(server)["admissions"]["controller"] - granted_before == 4

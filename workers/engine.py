@@ -187,7 +187,8 @@ class EngineRunner:
         self._on_abort = on_abort  # called with why a request ended early: client_gone, failed, engine_stopped
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
-        self._outbox: list[tuple[_Stream, Delta]] = []  # this step's deltas, posted together after it
+        # this step's deltas by the event loop of their stream, posted together after it
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Delta]]] = {}
         self._lock = threading.Lock()  # registering a stream vs. failing them all when the loop dies
         self._stop = threading.Event()
         self.fatal: BaseException | None = None
@@ -465,20 +466,17 @@ class EngineRunner:
         if output.finished:
             self._streams.pop(output.request_id, None)
             self._forget(stream.key)
-        self._outbox.append((stream, delta))
+        self._outbox.setdefault(stream.loop, []).append((stream, delta))
         return delta
 
     def _post(self) -> None:
         """Hand a step's deltas to their event loops, one wake-up per loop per step (each
         ``call_soon_threadsafe`` writes to the loop's self-pipe). A loop that has closed cannot take them:
         its requests are aborted here, where raising would stop the engine for every request."""
-        outbox, self._outbox = self._outbox, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Delta]]] = {}
-        for stream, delta in outbox:
-            by_loop.setdefault(stream.loop, []).append((stream, delta))
-        for loop, items in by_loop.items():
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
             try:
-                loop.call_soon_threadsafe(_put_all, [(stream.queue, delta) for stream, delta in items])
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that loop has closed: nobody is left to read these requests, free them
                 for stream, _ in items:
                     self._abort(stream.key)
@@ -505,9 +503,9 @@ def _hand(stream: _Stream, item: BaseException) -> None:
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for queue_, delta in items:
-        queue_.put_nowait(delta)
+def _put_all(items: list[tuple[_Stream, Delta]]) -> None:
+    for stream, delta in items:
+        stream.queue.put_nowait(delta)
 
 
 def name_os_thread(name: str) -> None:
