@@ -24,8 +24,8 @@ fitted for the model, ``make fit-epic-alpha``, as served).
 "plain" is temperature 1 with nothing else: the cost reference.
 
 Also per method on the held-out passages: 4-gram repetition, distinct-2 and self-BLEU-4 across a prompt's
-samples; exact-answer accuracy on the one-word factual questions of ``loadtest.workload.CHECKABLE`` (chat
-template, 16 tokens, Wilson interval); cost: wall time per output token against plain's in the same round
+samples; exact-answer accuracy on the one-word factual questions of ``loadtest.workload.CHECKABLE`` (the
+first ``--questions``, all by default; chat template, 16 tokens, Wilson interval); cost: wall time per output token against plain's in the same round
 at the same concurrency, and for EPIC the candidates evaluated and rollout tokens per output token from its
 telemetry.
 """
@@ -151,10 +151,11 @@ class Bench:
         return [st.fmean(n) for n in await asyncio.gather(*(self.nll(ids[:context], ids[context:]) for ids in texts))]
 
     async def answers(self, method: Method, knob: float, seed: int) -> list[bool]:
+        questions = CHECKABLE[: self.args.questions]
         jobs = [self.generate("chat", [{"role": "user", "content": q}], method, knob, seed * 7919 + i * 31 + j, 16)
-                for i, (q, _) in enumerate(CHECKABLE) for j in range(self.args.samples)]
+                for i, (q, _) in enumerate(questions) for j in range(self.args.samples)]
         outs = await asyncio.gather(*jobs)
-        return [CHECKABLE[i // self.args.samples][1] in o["text"].lower() for i, o in enumerate(outs)]
+        return [questions[i // self.args.samples][1] in o["text"].lower() for i, o in enumerate(outs)]
 
 
 def rate_gap(outs: list[dict], reference: list[float]) -> list[float]:
@@ -235,6 +236,7 @@ def _plot(result: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out.parent.mkdir(parents=True, exist_ok=True)  # the plots are written before publish makes it
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = result["methods"]
@@ -276,8 +278,9 @@ def _render(result: dict) -> str:
     ce = result["reference_ce"]
     lines += [f"{result['passages']} passages of Python's documentation ({result['context']}-token prompts; even "
               f"passages tune each knob, odd ones are held out), {result['samples']} samples per prompt and round, "
-              f"{result['rounds']} rounds, outputs end at EOS or {result['length']} tokens; {len(CHECKABLE)} one-word "
-              f"questions x {result['samples']} samples per round for accuracy; concurrency {result['concurrency']}. "
+              f"{result['rounds']} rounds, outputs end at EOS or {result['length']} tokens; "
+              f"{result.get('questions', len(CHECKABLE))} one-word questions x {result['samples']} samples per round "
+              f"for accuracy; concurrency {result['concurrency']}. "
               f"Reference cross-entropy of the text: {ce['tuning']:.3f} (tuning), {ce['held_out']:.3f} (held out) "
               "nats/token. 95% intervals over prompts (rate − CE, diversity), Wilson (accuracy); cost: median "
               "[min-max] over rounds of the wall time per output token over plain's in the same round.", "",
@@ -317,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bisect-steps", type=int, default=7, help="per method, on the tuning passages")
     parser.add_argument("--epic-bisect-steps", type=int, default=4, help="EPIC's (each costs many rollouts)")
     parser.add_argument("--methods", nargs="+", default=None, help="a subset of the methods (plain always runs)")
+    parser.add_argument("--questions", type=int, default=len(CHECKABLE), choices=range(1, len(CHECKABLE) + 1),
+                        metavar=f"1..{len(CHECKABLE)}", help="how many of the factual questions each method answers "
+                        "per round, from the first")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="run the engine eager (skips compiling: a quicker start)")
     parser.add_argument("--block-size", type=int, default=None, help="the engine's KV block size (default: the "
@@ -357,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     fields |= {"engine": "eager" if args.eager else "compiled", "dtype": dtype, "block_size": block_size,
                "fitted_alpha": fitted,
                "passages": len(texts), "context": args.context, "length": args.length, "samples": args.samples,
-               "rounds": args.rounds, "concurrency": args.concurrency}
+               "questions": args.questions, "rounds": args.rounds, "concurrency": args.concurrency}
     fields["plots"] = _plot(fields, Path(args.out))
     publish("loadtest.bench_epic", argv, args.out, fields, _render)
     return 0

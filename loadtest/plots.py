@@ -20,6 +20,7 @@ def save_figure(out: Path, suffix: str, title: str, xlabel: str, ylabel: str, dr
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     path = out.with_name(f"{out.name}-{suffix}.png")
+    path.parent.mkdir(parents=True, exist_ok=True)  # figures are drawn before the result file is published
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return str(path)

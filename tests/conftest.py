@@ -23,8 +23,10 @@ TEST_APP_CONFIG = {
     "num_replicas": 2,
     "num_cpus_per_replica": 1,
     # Eager: compiling costs minutes per engine here; tests/test_compiled_default.py runs the compiled default
-    "engine": {"max_model_len": 8192, "max_num_seqs": 16, "kv_cache_space_gib": 1, "cpu_threads": 1,
-               "enforce_eager": True},
+    # Prefill chunks of 2048 tokens (what `vllm serve` uses on CPUs): tests of chunked prefill need prompts only
+    # that long
+    "engine": {"max_model_len": 8192, "max_num_seqs": 16, "max_num_batched_tokens": 2048, "kv_cache_space_gib": 1,
+               "cpu_threads": 1, "enforce_eager": True},
     "telemetry_period_s": 0.05,
     "request_router": "soonest_served",  # the router the routing tests are about (Serve's is the default)
     # New requests wait in the controller's queue for a replica (off by default): the path the dispatch tests

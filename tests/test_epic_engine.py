@@ -266,14 +266,14 @@ def test_bench_epic_runs_end_to_end_on_a_tiny_configuration(model_dir, tmp_path)
 
     out = tmp_path / "epic"
     subprocess.run([sys.executable, "-m", "loadtest.bench_epic", "--passages", "2", "--context", "16", "--length", "4",
-                    "--samples", "2", "--rounds", "1", "--methods", "top-k", "typical", "epic",
+                    "--samples", "2", "--questions", "1", "--rounds", "1", "--methods", "top-k", "typical", "epic",
                     "--alpha-range", "0.2", "0.8", "--bisect-steps", "2", "--epic-bisect-steps", "2", "--eager",
                     "--out", str(out)],
                    check=True, timeout=600, capture_output=True,
                    env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
     result = json.loads((out.parent / "epic.json").read_text())
     methods = result["methods"]
-    assert list(methods) == ["plain", "top-k", "typical", "epic"]
+    assert list(methods) == ["plain", "top-k", "typical", "epic"] and result["questions"] == 1
     assert result["reference_ce"]["held_out"] > 0 and methods["plain"]["wall_vs_plain"] == [1.0, 1.0, 1.0]
     assert [len(result["tuning"][m]) for m in methods] == [1, 2, 2, 2]  # the plain reference is not tuned
     assert methods["top-k"]["knob"] == round(methods["top-k"]["knob"]) and 0.3 < methods["typical"]["knob"] < 1.0

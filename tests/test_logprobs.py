@@ -116,12 +116,12 @@ def test_echo_streams_the_prompt_first_with_its_logprobs(client, served_model):
 
 
 def test_prompt_logprobs_of_a_prompt_longer_than_a_prefill_chunk(server, client, served_model):
-    """vLLM fills prompt logprobs chunk by chunk; every position of a ~6K-token prompt must come back with the
-    prompt's own token (garbage ids here once crashed detokenization)."""
-    prompt = "The grass is green. The sky is blue. " * 600
+    """vLLM fills prompt logprobs chunk by chunk; every position of a prompt two chunks long must come back with
+    the prompt's own token (garbage ids here once crashed detokenization)."""
+    prompt = "The grass is green. The sky is blue. " * 260
     prompt_ids = httpx.post(f"{server}/tokenize",
                             json={"model": served_model, "prompt": prompt}).json()["tokens"]
-    assert len(prompt_ids) > 4096
+    assert len(prompt_ids) > TEST_APP_CONFIG["engine"]["max_num_batched_tokens"]
     # twice: the second time the prompt's blocks sit in the prefix cache, which a prompt-logprobs request must not read
     scored = []
     for _ in range(2):
