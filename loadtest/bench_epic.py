@@ -25,9 +25,9 @@ fitted for the model, ``make fit-epic-alpha``, as served).
 
 Also per method on the held-out passages: 4-gram repetition, distinct-2 and self-BLEU-4 across a prompt's
 samples; exact-answer accuracy on the one-word factual questions of ``loadtest.workload.CHECKABLE`` (the
-first ``--questions``, all by default; chat template, 16 tokens, Wilson interval); cost: wall time per output token against plain's in the same round
-at the same concurrency, and for EPIC the candidates evaluated and rollout tokens per output token from its
-telemetry.
+first ``--questions``, all by default; chat template, 16 tokens, Wilson interval); cost: wall time per output
+token against plain's in the same round at the same concurrency, and for EPIC the candidates evaluated and
+rollout tokens per output token from its telemetry.
 """
 from __future__ import annotations
 
