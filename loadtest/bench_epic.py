@@ -231,42 +231,33 @@ async def run(bench: Bench, texts: list[list[int]], all_methods: list[Method], r
 
 
 def _plot(result: dict, out: Path) -> list[str]:
-    import matplotlib
+    from loadtest.plots import save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.parent.mkdir(parents=True, exist_ok=True)  # the plots are written before publish makes it
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4))
     rows = result["methods"]
     names = list(rows)
     gaps = [rows[n]["rate_minus_ce"] for n in names]
-    ax.errorbar(range(len(names)), [g[0] for g in gaps], yerr=[[g[0] - g[1] for g in gaps], [g[2] - g[0] for g in gaps]],
-                fmt="o", capsize=4)
-    ax.axhline(0.0, color="grey", lw=1)
-    ax.set_xticks(range(len(names)), [f"{n}\n{rows[n]['knob_name']}={rows[n]['knob']:.3g}" for n in names],
-                  fontsize=7)
-    ax.set(ylabel="entropy rate − reference CE (nats/token)", title="Calibration on held-out passages (95%)")
-    path = out.with_name(f"{out.name}-calibration.png")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    paths.append(str(path))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, tuned in result["tuning"].items():
-        if len(tuned) > 1:
-            points = sorted((r["knob"], r["gap"][0]) for r in tuned)
-            lo, hi = points[0][0], points[-1][0]
-            ax.plot([(k - lo) / (hi - lo) for k, _ in points], [g for _, g in points], marker="o", label=name)
-    ax.axhline(0.0, color="grey", lw=1)
-    ax.set(xlabel="knob, scaled to the values bisection tried (0: lowest, 1: highest)",
-           ylabel="entropy rate − CE (nats/token)", title="Tuning passages: each method's knob")
-    ax.legend(fontsize=7)
-    path = out.with_name(f"{out.name}-tuning.png")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    paths.append(str(path))
-    return paths
+
+    def calibration(ax) -> None:
+        ax.errorbar(range(len(names)), [g[0] for g in gaps],
+                    yerr=[[g[0] - g[1] for g in gaps], [g[2] - g[0] for g in gaps]], fmt="o", capsize=4,
+                    label="mean and 95% interval over prompts")
+        ax.axhline(0.0, color="grey", lw=1)
+        ax.set_xticks(range(len(names)), [f"{n}\n{rows[n]['knob_name']}={rows[n]['knob']:.3g}" for n in names],
+                      fontsize=7)
+
+    def tuning(ax) -> None:
+        for name, tuned in result["tuning"].items():
+            if len(tuned) > 1:
+                points = sorted((r["knob"], r["gap"][0]) for r in tuned)
+                lo, hi = points[0][0], points[-1][0]
+                ax.plot([(k - lo) / (hi - lo) for k, _ in points], [g for _, g in points], marker="o", label=name)
+        ax.axhline(0.0, color="grey", lw=1)
+
+    return [save_figure(out, "calibration", "Calibration on held-out passages (95%)", "",
+                        "entropy rate − reference CE (nats/token)", calibration),
+            save_figure(out, "tuning", "Tuning passages: each method's knob",
+                        "knob, scaled to the values bisection tried (0: lowest, 1: highest)",
+                        "entropy rate − CE (nats/token)", tuning)]
 
 
 def _render(result: dict) -> str:
