@@ -63,7 +63,7 @@ def _core(config: dict, args):
     replica = ReplicaConfig(
         model=args.model,
         engine=EngineConfig(max_model_len=8192, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads,
-                            dtype="float32", kv_cache_space_gib=4, seed=args.seed, enforce_eager=args.eager),
+                            dtype="float32", kv_cache_space_gib=args.kv_gib, seed=args.seed, enforce_eager=args.eager),
         sampling=SamplingControl(enabled=config["sampling"]),
         pruning=PruningControl(enabled=config["pruning"], budget="entropy", keep_min=0.25),  # the paper's law
         scheduling=SchedulingConfig(enabled=config["scheduling"]))
@@ -200,7 +200,8 @@ def _spawn(name: str, args, reference: str | None, out: Path) -> dict:
     cmd = [sys.executable, "-m", "loadtest.ablation", "--worker", name, "--worker-out", str(out),
            "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads), "--model", args.model,
            "--free-tokens", str(args.free_tokens), "--passkey-tokens", *map(str, args.passkey_tokens),
-           "--seed", str(args.seed), "--requests", str(args.requests)] + (["--eager"] if args.eager else [])
+           "--seed", str(args.seed), "--requests", str(args.requests), "--kv-gib", str(args.kv_gib)]
+    cmd += ["--eager"] if args.eager else []
     if reference:
         cmd += ["--reference", reference]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -335,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="run the engines eager (skips compiling: a quicker start)")
+    parser.add_argument("--kv-gib", type=int, default=4,
+                        help="each engine's KV cache (GiB); vLLM touches all of it at start-up, so less starts sooner")
     parser.add_argument("--passkey-tokens", type=int, nargs="+", default=[2000, 4000])
     parser.add_argument("--free-tokens", type=int, default=96)
     parser.add_argument("--model", default="default")
