@@ -53,7 +53,7 @@ def _evaluate(model: str, base_url: str, served_model: str, model_dir: Path, tas
     results = simple_evaluate(
         model=model, tasks=tasks, task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=False,
         model_args={"model": served_model, "base_url": base_url, "tokenizer": str(model_dir),
-                    "tokenizer_backend": "huggingface", "num_concurrent": 2, "max_retries": 1, "timeout": 120},
+                    "tokenizer_backend": "huggingface", "num_concurrent": 8, "max_retries": 1, "timeout": 120},
         **kwargs)
     return results["results"]
 

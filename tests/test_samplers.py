@@ -132,7 +132,7 @@ def test_a_tiny_comparison_runs_end_to_end_and_draws_its_trajectories(tmp_path, 
     out = tmp_path / "samplers"
     subprocess.run([sys.executable, "-m", "loadtest.bench_samplers", "--target", "1.0", "--samples", "1", "--seeds",
                     "1", "--max-tokens", "6", "--tune-samples", "1", "--bisect-steps", "1", "--threads", "1",
-                    "--batch", "8", "--out", str(out)],
+                    "--batch", "8", "--kv-gib", "1", "--out", str(out)],
                    check=True, cwd=Path(__file__).resolve().parents[1], capture_output=True, timeout=600)
     result = json.loads((tmp_path / "samplers.json").read_text())
     assert list(result["samplers"]) == ["fixed", "dynatemp", "mirostat", "ours"]
