@@ -19,7 +19,13 @@ wall time of the batch. Arms:
   size, π scheduling), requests through ``ReplicaCore.generate``;
 * ``core-block128``: ``core`` with vLLM's CPU default block size (128);
 * ``core-fcfs``: ``core`` with scheduling off (vLLM's FCFS scheduler);
-* ``core-plain``: ``core`` with telemetry off (vLLM's engine as shipped behind the core's request path).
+* ``core-plain``: ``core`` with telemetry off (vLLM's engine as shipped behind the core's request path);
+* ``core-4k-pages``: ``core`` with torch's allocations on the kernel's default pages
+  (``THP_MEM_ALLOC_ENABLE=0``, as in ``vllm serve`` and the ``vllm`` arm; the replica asks for transparent
+  huge pages, workers/engine.py).
+
+Each arm also records how long its engine took to build and start (``start_s``: loading, compiling from the
+cache, zeroing the KV cache).
 
 No HTTP, no Serve: what is left between ``core`` and ``vllm serve``'s TTFT in bench-serve is the serving
 path's. Arms alternate over rounds, one process at a time.
@@ -38,7 +44,9 @@ from pathlib import Path
 
 from loadtest.stats import percentile
 
-ARMS = ("vllm", "core", "core-block128", "core-fcfs", "core-plain")
+ARMS = ("vllm", "core", "core-block128", "core-fcfs", "core-plain", "core-4k-pages")
+# Arms whose process keeps torch's allocations on the kernel's default pages, as `vllm serve` does
+_SMALL_PAGES = ("vllm", "core-4k-pages")
 
 
 def _config(arm: str):
@@ -55,6 +63,8 @@ def run_arm(arm: str, prompts: list[str], max_tokens: int, concurrency: int | No
     None: all at once), time each request's tokens."""
     if arm == "vllm":
         os.environ["VLLM_PLUGINS"] = "none-of-ours"  # before vLLM loads its plugins
+    if arm in _SMALL_PAGES:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "0"  # a user's override of ours, before torch is imported
     from workers.engine import configure_process_env
 
     config = _config(arm)
@@ -73,7 +83,9 @@ def _bare(config, model: str, prompts: list[str], max_tokens: int, concurrency: 
     from vllm.v1.engine.llm_engine import LLMEngine
 
     kwargs = {k: v for k, v in config.engine.engine_kwargs(model, config.model_name).items() if k != "logprobs_mode"}
+    started = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs(**{**kwargs, "disable_log_stats": True}))
+    start_s = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     def batch(tag: str, texts: list[str], limit: int) -> tuple[list[float], list[float], float]:
@@ -99,7 +111,8 @@ def _bare(config, model: str, prompts: list[str], max_tokens: int, concurrency: 
 
     batch("warm", ["Warm up the engine."] * 2, 2)
     ttft, gaps, wall = batch("run", prompts, concurrency or len(prompts))
-    return {"ttft_s": ttft, "gap_s": gaps, "wall_s": wall, "block_size": engine.vllm_config.cache_config.block_size}
+    return {"ttft_s": ttft, "gap_s": gaps, "wall_s": wall, "block_size": engine.vllm_config.cache_config.block_size,
+            "start_s": start_s}
 
 
 def _ttft_gaps(submitted: dict[str, float], seen: dict[str, list[float]]) -> tuple[list[float], list[float]]:
@@ -117,7 +130,9 @@ def _core(config, prompts: list[str], max_tokens: int, concurrency: int | None) 
     from deployments.protocol import EntropicCompletionRequest
     from workers.core import ReplicaCore
 
+    started = time.perf_counter()
     core = ReplicaCore(config, replica_id="prefill", metrics_registry=CollectorRegistry())
+    start_s = time.perf_counter() - started
 
     async def batch(texts: list[str], limit: int) -> tuple[list[float], list[float], float]:
         start = time.perf_counter()
@@ -143,7 +158,7 @@ def _core(config, prompts: list[str], max_tokens: int, concurrency: int | None) 
     ttft, gaps, wall = asyncio.run(run())
     block_size = core.block_size
     core.shutdown()
-    return {"ttft_s": ttft, "gap_s": gaps, "wall_s": wall, "block_size": block_size}
+    return {"ttft_s": ttft, "gap_s": gaps, "wall_s": wall, "block_size": block_size, "start_s": start_s}
 
 
 def p99(xs: list[float]) -> float:
@@ -215,15 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.rounds} rounds. TTFT from each request's submission; gap: time between a request's "
                  "consecutive outputs (ITL); ratio: the arm's mean TTFT / the `vllm` arm's in the same round.", "",
                  "| arm | KV block | mean TTFT per round (s) | mean / p99 gap per round (s) | batch wall per round (s) "
-                 "| mean TTFT / vllm's |",
-                 "|---|---|---|---|---|---|"]
+                 "| engine start per round (s) | mean TTFT / vllm's |",
+                 "|---|---|---|---|---|---|---|"]
         for arm, xs in result["runs"].items():
             r = result["ratios"].get(arm)
             cell = f"{st.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}]" if r else "-"
             ttfts = ", ".join(f"{mean_ttft(x):.2f}" for x in xs)
             gaps = ", ".join(f"{mean_gap(x):.2f} / {p99(x['gap_s']):.2f}" if x.get("gap_s") else "-" for x in xs)
             walls = ", ".join(f"{x['wall_s']:.2f}" for x in xs)
-            lines.append(f"| {arm} | {xs[0]['block_size']} | {ttfts} | {gaps} | {walls} | {cell} |")
+            starts = ", ".join(f"{x['start_s']:.1f}" if "start_s" in x else "-" for x in xs)
+            lines.append(f"| {arm} | {xs[0]['block_size']} | {ttfts} | {gaps} | {walls} | {starts} | {cell} |")
         return "\n".join(lines + [""])
 
     publish("loadtest.bench_prefill", argv, args.out,

@@ -318,6 +318,41 @@ def test_engine_env_keeps_a_users_overrides(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+def test_engine_env_puts_torch_allocations_on_huge_pages():
+    """workers/engine.py sets torch's THP_MEM_ALLOC_ENABLE: in a process started with the engine's environment a
+    large tensor (as the KV cache and the weights are) lies on transparent huge pages, and a user's
+    THP_MEM_ALLOC_ENABLE=0 keeps the kernel's default pages. Child processes: torch reads the variable once,
+    at its first allocation."""
+    import subprocess
+    import sys
+
+    from workers.engine import engine_process_env
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("transparent huge pages are off in this kernel: nothing for torch to ask for")
+    probe = ("import torch\n"
+             "def huge_kib():\n"
+             "    with open('/proc/self/smaps_rollup') as f:\n"
+             "        return next(int(line.split()[1]) for line in f if line.startswith('AnonHugePages'))\n"
+             "before = huge_kib()\n"
+             "t = torch.ones(64 << 20, dtype=torch.uint8)\n"
+             "print(huge_kib() - before)\n")
+
+    def huge_kib_of_64_mib(env: dict[str, str]) -> int:
+        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True,
+                             text=True, timeout=120, check=True)
+        return int(out.stdout.split()[-1])
+
+    ours = engine_process_env(1, 1, overrides={})
+    assert ours["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert huge_kib_of_64_mib(ours) >= 32 << 10  # most of the tensor; the rest can be its unaligned ends
+    users = engine_process_env(1, 1, overrides={"THP_MEM_ALLOC_ENABLE": "0"})
+    assert users["THP_MEM_ALLOC_ENABLE"] == "0"
+    if "[madvise]" in mode.read_text():  # in "always" mode every large mapping gets huge pages anyway
+        assert huge_kib_of_64_mib(users) < 32 << 10
+
+
 def test_each_engine_of_a_process_starts_with_its_own_environment():
     """vllm 0.32.0 caches its environment once an engine has started; workers.engine.configure_process_env
     lifts that cache, and a value it set for an earlier engine is not taken for a user's override. Run in a
