@@ -16,6 +16,7 @@ from typing import Any
 
 from deployments.protocol import error_body
 from deployments.routing_view import HTTP_RESPONSES
+from workers.aio import wait_for
 
 RETRY_AFTER_S = 5
 _ANSWERED_WHILE_DRAINING = ("/metrics",)
@@ -49,7 +50,7 @@ class DrainState:
         """Refuse new requests from now on; wait up to ``timeout_s`` for those in flight; how many are left."""
         self.draining = True
         try:
-            await asyncio.wait_for(self._event().wait(), timeout_s)
+            await wait_for(self._event().wait(), timeout_s)
         except asyncio.TimeoutError:
             pass
         return self.in_flight

@@ -31,6 +31,7 @@ from deployments.config import AppConfig
 from deployments.drain import DrainMiddleware
 from deployments.http_policy import PolicyMiddleware
 from deployments.tool_calls import ToolCalls
+from workers.aio import wait_for
 from workers.control_params import EPIC_FIELDS
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed, RequestMoved
 
@@ -128,7 +129,7 @@ async def _until(items: AsyncIterator[Any], deadline: float | None) -> AsyncIter
     loop = asyncio.get_running_loop()
     while True:
         try:
-            item = await asyncio.wait_for(anext(items), deadline - loop.time())
+            item = await wait_for(anext(items), deadline - loop.time())
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -291,7 +292,7 @@ class OpenAIIngress:
         while True:
             await asyncio.sleep(self.config.routing_view_period_s)
             try:
-                CONTROLLER_VIEW.publish(await asyncio.wait_for(self.controller.routing_view.remote(),
+                CONTROLLER_VIEW.publish(await wait_for(self.controller.routing_view.remote(),
                                                                timeout=self.config.scheduling.controller_timeout_s))
                 self._view_polls += 1
             except Exception as exc:  # controller down or late: the router falls back to Serve's stats
@@ -318,7 +319,7 @@ class OpenAIIngress:
         from deployments.routing_view import STALE_AFTER_S
 
         try:
-            view = await asyncio.wait_for(self.controller.routing_view.remote(), timeout=_HEALTH_TIMEOUT_S)
+            view = await wait_for(self.controller.routing_view.remote(), timeout=_HEALTH_TIMEOUT_S)
             live = [r for r, age in view.ages_s.items() if age <= STALE_AFTER_S]
             if live:
                 return Response(status_code=200)
@@ -327,7 +328,7 @@ class OpenAIIngress:
         except Exception as exc:  # the controller is restarting: ask Serve to run one worker's health check
             logger.info("health: controller unreachable (%s); asking a worker", type(exc).__name__)
         try:
-            await asyncio.wait_for(self.worker.check_health.remote(), timeout=_HEALTH_TIMEOUT_S)
+            await wait_for(self.worker.check_health.remote(), timeout=_HEALTH_TIMEOUT_S)
         except Exception:
             return _error("no healthy worker replica answered", code=503, kind="ServiceUnavailableError",
                           retry_after=_RETRY_AFTER_S)
@@ -421,7 +422,7 @@ class OpenAIIngress:
         from deployments.routing_view import ROUTING_REGISTRY
 
         try:
-            families = await asyncio.wait_for(self.controller.metric_families.remote(), timeout=10)
+            families = await wait_for(self.controller.metric_families.remote(), timeout=10)
         except Exception as exc:
             logger.info("metrics: controller unreachable (%s)", type(exc).__name__)
             families = []
@@ -435,7 +436,7 @@ class OpenAIIngress:
     @app.get("/debug/requests")
     async def debug_requests(self) -> JSONResponse:
         try:
-            return JSONResponse(await asyncio.wait_for(self.controller.profiles.remote(), timeout=10))
+            return JSONResponse(await wait_for(self.controller.profiles.remote(), timeout=10))
         except Exception as exc:
             logger.info("debug: controller unreachable (%s)", type(exc).__name__)
             return _error("the controller is unavailable", code=503, kind="ServiceUnavailableError", retry_after=1)
@@ -454,7 +455,7 @@ class OpenAIIngress:
         from deployments.routing_view import admission_counts
 
         try:
-            queue = await asyncio.wait_for(self.controller.dispatch_view.remote(), timeout=10)
+            queue = await wait_for(self.controller.dispatch_view.remote(), timeout=10)
         except Exception as exc:
             logger.info("debug: controller unreachable (%s)", type(exc).__name__)
             queue = None
@@ -577,8 +578,8 @@ class OpenAIIngress:
                 key=key, prompt_tokens=tokens, max_tokens=max_tokens, waited_s=waited, max_wait_s=max_wait,
                 compute_factor=factor))
             try:
-                await asyncio.wait_for(answers.__anext__(), dispatch.admit_timeout_s)  # queued
-                grant = await asyncio.wait_for(answers.__anext__(), max_wait - waited + dispatch.admit_timeout_s)
+                await wait_for(answers.__anext__(), dispatch.admit_timeout_s)  # queued
+                grant = await wait_for(answers.__anext__(), max_wait - waited + dispatch.admit_timeout_s)
             except asyncio.CancelledError:  # the client left: the controller withdraws it
                 answers.cancel()
                 raise

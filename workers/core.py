@@ -27,6 +27,7 @@ from typing import Any
 from controller.laws.priority import priorities
 from controller.laws.routing import ReplicaLoad
 from controller.messages import ControllerAnswer, TelemetryReport
+from workers.aio import wait_for
 from workers.config import ReplicaConfig
 from workers.control_params import EPIC_FIELDS
 from workers.engine import Delta, EngineRunner, configure_process_env
@@ -234,7 +235,7 @@ class ReplicaCore:
         answer = None
         if self._controller is not None:
             try:  # the controller is advisory: a slow or missing one never stalls serving
-                answer = await asyncio.wait_for(self._controller(report), timeout=self.scheduling.controller_timeout_s)
+                answer = await wait_for(self._controller(report), timeout=self.scheduling.controller_timeout_s)
             except Exception as exc:
                 logger.debug("telemetry report failed: %r", exc)
         if answer is not None and answer.moves:

@@ -37,6 +37,7 @@ from typing import Any
 
 from controller.laws.routing import ReplicaLoad
 from controller.messages import ControllerAnswer, TelemetryReport
+from workers.aio import wait_for
 from workers.config import ReplicaConfig
 from workers.core import ControllerLink, ReplicaCore
 from workers.cpu_cores import RESERVED_CORES, CoreClaim, node_cores, pin_engine_process
@@ -201,7 +202,7 @@ class CoreProcess(_PipeEnd):
         self._calls[cid] = future
         try:
             self._send(("call", cid, name))
-            return await asyncio.wait_for(future, _CALL_TIMEOUT_S)
+            return await wait_for(future, _CALL_TIMEOUT_S)
         finally:
             self._calls.pop(cid, None)
 
