@@ -293,7 +293,7 @@ class OpenAIIngress:
             await asyncio.sleep(self.config.routing_view_period_s)
             try:
                 CONTROLLER_VIEW.publish(await wait_for(self.controller.routing_view.remote(),
-                                                               timeout=self.config.scheduling.controller_timeout_s))
+                                                       timeout=self.config.scheduling.controller_timeout_s))
                 self._view_polls += 1
             except Exception as exc:  # controller down or late: the router falls back to Serve's stats
                 logger.debug("routing view poll failed: %r", exc)
