@@ -92,11 +92,13 @@ class Runner:
         configure_process_env(args.threads, args.kv_gib)
         from vllm import LLM
 
+        from kernels.hardware import resolve_dtype
         from loadtest.samplers import DynamicTemperature, EntropyRecorder, Mirostat2
         from workers.model_store import resolve_model
         from workers.sampling import EntropicLogitsProcessor
 
-        self.llm = LLM(model=str(resolve_model(args.model)), enforce_eager=True, dtype=args.dtype, max_model_len=2048,
+        self.llm = LLM(model=str(resolve_model(args.model)), enforce_eager=True,
+                       dtype=resolve_dtype(args.dtype, on_gpu=False), max_model_len=2048,
                        max_num_seqs=args.batch, seed=0,
                        logits_processors=[EntropicLogitsProcessor, DynamicTemperature, Mirostat2, EntropyRecorder])
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -269,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=2)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="auto", help='"auto": as the server resolves it (float32 on CPUs '
+                        "without native bf16)")
     parser.add_argument("--out", default="docs/results/samplers")
     parser.add_argument("--replot", action="store_true", help="measure nothing: draw the plots of the saved "
                         "<out>.json and rewrite <out>.md with them")
