@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controller.laws.grants import GrantPolicy
 from controller.laws.migration import MigrationPolicy
+from controller.laws.prefill_gate import PrefillGatePolicy
 from controller.laws.priority import PriorityWeights
 
 
@@ -45,9 +46,16 @@ class SchedulingConfig(BaseModel):
         "control period (highest π first); the others pause, keeping their KV, when their lease runs out. "
         "None: everyone is granted (no pausing)")
     grant_lease_steps: int = Field(8, ge=1, description="decode steps per granted lease")
+    tpot_target_ms: float | None = Field(
+        None, gt=0, description="mean time per output token to hold for decoding requests by letting only some "
+        "engine steps carry other requests' prefill chunks (controller.laws.prefill_gate): deferred prompts wait, "
+        "so time to first token grows instead. None: prefill chunks join every step, as in vLLM")
 
     def grant_policy(self) -> GrantPolicy:
         return GrantPolicy(slots=self.grant_slots, lease_steps=self.grant_lease_steps)
+
+    def prefill_gate_policy(self) -> PrefillGatePolicy | None:
+        return None if self.tpot_target_ms is None else PrefillGatePolicy(target_gap_s=self.tpot_target_ms / 1000)
 
     def weights(self) -> PriorityWeights:
         return PriorityWeights(alpha=self.alpha, beta=self.beta, gamma=self.gamma, aging_s=self.aging_s,

@@ -150,3 +150,60 @@ def test_a_higher_pi_prompt_in_chunked_prefill_never_starves_decoding_requests(e
         assert produced["starve-dec"] == before + 1, f"step {steps}: the decoding request was left out"
     assert steps >= 3  # the prompt did take several chunks, each sharing its step with the decode
     _drain(engine)
+
+
+def test_the_prefill_gate_lets_its_share_of_contended_steps_carry_prefill(engine):
+    """Step times held where the law gives φ = 1/4: while a request decodes, a prompt is admitted and
+    prefilled only in every fourth step (vLLM's throttle_prefills in the other three), and the decoding
+    request advances in every step."""
+    from controller.laws.prefill_gate import PrefillGatePolicy
+    from workers.scheduler import PrefillGate
+
+    engine, scheduler = engine
+    gate = PrefillGate(PrefillGatePolicy(target_gap_s=0.2))
+    gate.decode_step_s, gate.prefill_step_s, gate.WEIGHT = 0.1, 0.5, 0.0  # (0.2 - 0.1) / (0.5 - 0.1) = 1/4
+    scheduler.prefill_gate = gate
+    produced: dict[str, int] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+
+    try:
+        _add(engine, ["gate-dec"], "Name a colour.", max_tokens=40)
+        step()
+        long_prompt = " ".join(f"entry {i};" for i in range(60))  # ~180 tokens: three chunks or more
+        _add(engine, ["gate-pre"], long_prompt, max_tokens=4)
+        prompt = next(r for r in scheduler.requests.values() if scheduler._keys.get(r.request_id) == "gate-pre")
+        carried = []
+        while "gate-pre" not in produced:
+            before, computed = produced["gate-dec"], prompt.num_computed_tokens
+            step()
+            assert produced["gate-dec"] == before + 1, "the decoding request must advance in every step"
+            carried.append(prompt.num_computed_tokens > computed)
+        chunks = sum(carried)
+        assert chunks >= 3 and carried == [False, False, False, True] * chunks, carried
+        assert gate.deferred_steps == 3 * chunks
+        assert _drain(engine) == {"gate-dec": 40, "gate-pre": 4}
+    finally:
+        scheduler.prefill_gate = None
+
+
+def test_an_untimed_prefill_gate_defers_nothing_and_times_both_kinds_of_step(engine):
+    from controller.laws.prefill_gate import PrefillGatePolicy
+    from workers.scheduler import PrefillGate
+
+    engine, scheduler = engine
+    gate = PrefillGate(PrefillGatePolicy(target_gap_s=1e-6))  # a target no step meets
+    scheduler.prefill_gate = gate
+    try:
+        _add(engine, ["timed-dec"], "Name a shape.", max_tokens=8)
+        engine.step()
+        _add(engine, ["timed-pre"], " ".join(f"row {i}:" for i in range(60)), max_tokens=4)
+        assert _drain(engine) == {"timed-dec": 8, "timed-pre": 4}
+        # decode-only steps miss the target on their own: deferring could not reach it, so nothing was
+        assert gate.deferred_steps == 0
+        assert gate.decode_step_s is not None and gate.prefill_step_s is not None
+        assert 0 < gate.decode_step_s and 0 < gate.prefill_step_s
+    finally:
+        scheduler.prefill_gate = None

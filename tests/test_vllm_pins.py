@@ -11,7 +11,9 @@ Every touch of a vLLM internal, and where it is:
 - ``workers/engine.py``: ``EngineRunner.kv_tokens`` reads ``Scheduler.kv_cache_manager.block_pool``
   (``get_num_free_blocks``, ``num_gpu_blocks``) and ``Scheduler.block_size``.
 - ``workers/scheduler.py``: ``Scheduler`` internals (``_preempt_request``, ``running``, ``waiting``,
-  ``PriorityRequestQueue._heap``, ``max_num_running_reqs``).
+  ``PriorityRequestQueue._heap``, ``max_num_running_reqs``); the prefill gate calls ``schedule`` with
+  ``throttle_prefills`` (vLLM's data-parallel prefill cadence), clears ``prefill_capacity_bound``, and times
+  steps from ``schedule`` to ``update_from_output``.
 - ``workers/sampling.py``: the logits-processor interface and ``BatchUpdate``.
 - ``workers/pruned_attention*.py``, ``workers/pruning_plan.py``, ``workers/vllm_plugin.py``: the CPU and
   Triton attention backends and the backend registry (``tests/test_pruning_gpu_path.py`` too).
@@ -135,6 +137,14 @@ def test_scheduler_internals_we_use():
     # tells a chunked prefill from a decode by what is left to compute
     assert "while req_index < len(self.running) and token_budget > 0" in inspect.getsource(Scheduler.schedule)
     assert "self.num_computed_tokens" in inspect.getsource(Request.__init__) and hasattr(Request, "num_tokens")
+    # the prefill gate: vLLM defers prefill chunks and admissions on a throttled step while some running request
+    # decodes, unless its last release step left requests waiting (prefill_capacity_bound), which we clear
+    assert list(inspect.signature(Scheduler.schedule).parameters) == ["self", "throttle_prefills"]
+    schedule = inspect.getsource(Scheduler.schedule)
+    assert "throttle_prefills and not self.prefill_capacity_bound" in schedule
+    assert "self.prefill_capacity_bound = False" in source
+    assert list(inspect.signature(Scheduler.update_from_output).parameters) == [
+        "self", "scheduler_output", "model_runner_output"]
 
 
 def test_what_migration_reads_of_a_waiting_request():

@@ -61,6 +61,7 @@ class ReplicaCore:
 
         from workers.model_store import fitted_epic_alpha, resolve_model
         from workers.pruning_state import STATE
+        from workers.scheduler import PrefillGate
 
         STATE.dense_layers = config.pruning_dense_layers
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
@@ -85,6 +86,8 @@ class ReplicaCore:
             scheduler = self.runner.scheduler
             scheduler.board, scheduler.grants = self.board, self.grants
             scheduler.preempt_margin = self.scheduling.preempt_margin
+            gate = self.scheduling.prefill_gate_policy()
+            scheduler.prefill_gate = PrefillGate(gate) if gate is not None else None
         self._weights = self.scheduling.weights()
         self._controller = controller
         self._active: dict[str, SequenceTrack] = {}
@@ -260,6 +263,8 @@ class ReplicaCore:
         scheduler = self.runner.scheduler
         self.metrics.observe_grants(self.grants.renewals if self.grants is not None else 0, scheduler.withheld_steps)
         self.metrics.observe_preemptions(scheduler.priority_preemptions - self._preemptions_seen)
+        if scheduler.prefill_gate is not None:
+            self.metrics.observe_prefill_deferred(scheduler.prefill_gate.deferred_steps)
         self._preemptions_seen = scheduler.priority_preemptions
 
 

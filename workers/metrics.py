@@ -65,6 +65,10 @@ class ReplicaMetrics:
         self._withheld = Counter("entropic_grant_withheld_steps", "Running sequences left out of an engine step "
                                  "for lack of a decode-step grant", ["model_name"], registry=registry).labels(model_name)
         self._grants_seen = (0, 0)
+        self._prefill_deferred = Counter("entropic_prefill_deferred_steps", "Engine steps the prefill gate ran without "
+                                         "prefill chunks while requests decoded (scheduling.tpot_target_ms)",
+                                         ["model_name"], registry=registry).labels(model_name)
+        self._prefill_deferred_seen = 0
         self._ended_early = Counter("entropic_requests_ended_early", "Requests that ended before they finished, by why: "
                                     "client_gone (the client disconnected), invalid (refused by the engine), failed, "
                                     "engine_stopped, moved (handed back, unstarted, for another replica: migration)",
@@ -101,6 +105,11 @@ class ReplicaMetrics:
         if withheld_steps > self._grants_seen[1]:
             self._withheld.inc(withheld_steps - self._grants_seen[1])
         self._grants_seen = (renewals, withheld_steps)
+
+    def observe_prefill_deferred(self, deferred_steps: int) -> None:
+        if deferred_steps > self._prefill_deferred_seen:
+            self._prefill_deferred.inc(deferred_steps - self._prefill_deferred_seen)
+            self._prefill_deferred_seen = deferred_steps
 
     def observe_ended_early(self, reason: str) -> None:
         self._ended_early_by[reason].inc()

@@ -27,6 +27,12 @@ reach: it keeps its KV blocks and the model runner resumes it in place later (vl
 them). While they are left out, the running-request limits shrink by as many, so admission cannot
 fill their slots. Without a GrantBoard, or when no key holds a lease, nothing is withheld.
 
+Prefill gate (``prefill_gate``, a PrefillGate; controller.laws.prefill_gate), when the scheduling config
+sets ``tpot_target_ms``: a step in which requests decode while prompt tokens wait carries prefill chunks
+only as often as the law allows for that mean gap between tokens, from the times of the steps of each
+kind so far; the other steps run vLLM's own ``throttle_prefills`` (the data-parallel prefill cadence:
+prefill chunks and admissions wait, decodes run). Unset, every step takes prefill chunks as vLLM's does.
+
 vLLM appends a suffix to request ids: the caller's key (``EntropicArgs.key``) maps to the
 internal id in ``add_request``.
 """
@@ -39,6 +45,7 @@ import time
 from vllm.v1.core.sched.request_queue import PriorityRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share, smoothed
 from workers.control_params import EntropicArgs
 from workers.tracking import GrantBoard, PriorityBoard
 
@@ -49,8 +56,48 @@ def _prefilling(request) -> bool:
     return request.num_tokens - request.num_computed_tokens > 1
 
 
+class PrefillGate:
+    """The gate's state in one scheduler: smoothed step times of each kind, timed from ``schedule`` to
+    ``update_from_output`` (the step's model run), and the law's credit."""
+
+    WEIGHT = 0.2  # of the newest step time in each kind's smoothed mean
+
+    def __init__(self, policy: PrefillGatePolicy) -> None:
+        self.policy = policy
+        self.decode_step_s: float | None = None
+        self.prefill_step_s: float | None = None
+        self.credit = 0.0
+        self.deferred_steps = 0  # contended steps that ran without prefill
+        # id(SchedulerOutput) -> (scheduled at, carries prefill), until the step's output comes back
+        self._pending: dict[int, tuple[float, bool]] = {}
+
+    def admit(self) -> bool:
+        """A contended step: whether it may carry prefill."""
+        allowed, self.credit = admit_prefill(self.credit, self.share())
+        self.deferred_steps += not allowed
+        return allowed
+
+    def share(self) -> float:
+        return prefill_share(self.policy, self.decode_step_s, self.prefill_step_s)
+
+    def scheduled(self, step: int, at: float, carries_prefill: bool) -> None:
+        if len(self._pending) > 64:  # steps whose output never came back (an engine that failed mid-step)
+            self._pending.clear()
+        self._pending[step] = (at, carries_prefill)
+
+    def ran(self, step: int, at: float) -> None:
+        if step not in self._pending:
+            return
+        started, prefill = self._pending.pop(step)
+        if prefill:
+            self.prefill_step_s = smoothed(self.prefill_step_s, at - started, self.WEIGHT)
+        else:
+            self.decode_step_s = smoothed(self.decode_step_s, at - started, self.WEIGHT)
+
+
 class EntropicScheduler(Scheduler):
     preempt_margin: float | None = None  # None: only vLLM's own (KV-pressure) preemption, in π order
+    prefill_gate: PrefillGate | None = None  # None: prefill chunks join every step, as in vLLM
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -67,15 +114,21 @@ class EntropicScheduler(Scheduler):
             self._keys[request.request_id] = args.key
         super().add_request(request)
 
-    def schedule(self, *args, **kwargs):
+    def schedule(self, throttle_prefills: bool = False):
         if len(self._keys) > 2 * len(self.requests) + 64:  # drop finished requests' keys now and then
             self._keys = {r: k for r, k in self._keys.items() if r in self.requests}
         self._apply_priorities()
         # Stable: each group keeps its order (π for decodes, admission for chunked prefills)
         self.running.sort(key=_prefilling)
         held = self._withhold_ungranted()
+        if not throttle_prefills and self._prefill_deferred():
+            throttle_prefills = True
+            # vLLM stops throttling once a release step leaves requests waiting ("saturated"): with prompts
+            # longer than a step's token budget that is every release step, and the gate would never close
+            self.prefill_capacity_bound = False
+        started = time.monotonic()
         try:
-            output = super().schedule(*args, **kwargs)
+            output = super().schedule(throttle_prefills)
         finally:
             if held:
                 self.running.extend(held)
@@ -83,7 +136,29 @@ class EntropicScheduler(Scheduler):
                 self.max_num_active_reqs += len(held)
         if self.grants is not None:
             self.grants.spend([self._keys[r] for r in output.num_scheduled_tokens if r in self._keys])
+        if self.prefill_gate is not None and output.num_scheduled_tokens:
+            self.prefill_gate.scheduled(id(output), started, any(n > 1 for n in output.num_scheduled_tokens.values()))
         return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        if self.prefill_gate is not None:
+            self.prefill_gate.ran(id(scheduler_output), time.monotonic())
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _prefill_deferred(self) -> bool:
+        """Whether the gate holds prefill out of this step: only a contended one, where requests decode while
+        prompt tokens wait, asks the gate (and spends its credit)."""
+        if self.prefill_gate is None:
+            return False
+        decoding = prefilling = False
+        for request in self.running:
+            if _prefilling(request):
+                prefilling = True
+            else:
+                decoding = True
+        if not decoding or not (prefilling or self.waiting):
+            return False
+        return not self.prefill_gate.admit()
 
     def _withhold_ungranted(self) -> list:
         if self.grants is None or not self.running:

@@ -1,0 +1,57 @@
+"""Prefill gate: how many engine steps may carry prefill chunks while other requests decode.
+
+A decoding request gets one token per engine step, so its time per output token is the mean length of
+the steps it shares. A step that carries a prefill chunk (up to ``max_num_batched_tokens`` prompt tokens)
+lasts many decode-only steps on a CPU, so when long prompts keep arriving a decoding request's tokens
+wait mostly for other requests' prompts. Holding a mean gap of ``target_gap_s`` means letting a share
+φ of those steps carry prefill, with
+
+    φ·prefill_step + (1 − φ)·decode_step = target_gap_s.
+
+Deferred prompt tokens are not dropped: they wait, so what the gate buys in time per output token is
+paid in time to first token, and in throughput where the decoding batch thins out meanwhile. A credit
+of φ per contended step (decodes running and prefill waiting), spent whole by a step that carries
+prefill, spreads those steps evenly; ``min_share`` keeps admission going however slow prefill steps
+are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillGatePolicy:
+    target_gap_s: float  # mean time between a decoding request's tokens to hold
+    min_share: float = 0.05  # share of contended steps that carry prefill whatever the step times
+
+    def __post_init__(self) -> None:
+        if self.target_gap_s <= 0:
+            raise ValueError("target_gap_s must be positive")
+        if not 0 < self.min_share <= 1:
+            raise ValueError("min_share must be in (0, 1]")
+
+
+def prefill_share(policy: PrefillGatePolicy, decode_step_s: float | None, prefill_step_s: float | None) -> float:
+    """φ: the share of contended steps that may carry prefill. 1 (no gate) until both step kinds have been
+    timed, where steps that carry prefill already meet the target, and where decode-only steps alone miss it:
+    deferring prefill could not reach the target there and would only cost time to first token."""
+    if decode_step_s is None or prefill_step_s is None:
+        return 1.0
+    target = policy.target_gap_s
+    if prefill_step_s <= target or decode_step_s >= target:
+        return 1.0
+    return max(policy.min_share, (target - decode_step_s) / (prefill_step_s - decode_step_s))
+
+
+def admit_prefill(credit: float, share: float) -> tuple[bool, float]:
+    """One contended step: whether it may carry prefill, and the credit after it (in [0, 1): steps without
+    contention do not ask, so they bank nothing)."""
+    credit += share
+    if credit >= 1.0 - 1e-9:  # ten steps of 0.1 make one step's worth, not 0.9999999999999999
+        return True, max(0.0, credit - 1.0)
+    return False, credit
+
+
+def smoothed(previous: float | None, sample: float, weight: float) -> float:
+    """Exponentially weighted mean of step times; the first sample is taken as it is."""
+    return sample if previous is None else (1 - weight) * previous + weight * sample

@@ -1,0 +1,65 @@
+"""The prefill gate's law (pure): the share of contended steps that carry prefill, and its credit."""
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share, smoothed
+
+times = st.floats(min_value=1e-3, max_value=100.0)
+
+
+@given(decode=times, prefill=times, target=times)
+def test_the_share_holds_the_mean_gap_at_the_target_wherever_it_can(decode, prefill, target):
+    policy = PrefillGatePolicy(target_gap_s=target, min_share=1e-6)
+    share = prefill_share(policy, decode, prefill)
+    assert 0 < share <= 1
+    mean_gap = share * prefill + (1 - share) * decode
+    if decode < target < prefill and share > policy.min_share:
+        assert mean_gap == pytest.approx(target, rel=1e-9)
+    else:  # nothing to hold (prefill steps meet it) or nothing deferral could reach (decode steps miss it)
+        assert share == 1.0 or share == policy.min_share
+
+
+def test_no_gate_until_both_kinds_of_step_are_timed_and_a_floor_after():
+    policy = PrefillGatePolicy(target_gap_s=0.5, min_share=0.05)
+    assert prefill_share(policy, None, 6.0) == prefill_share(policy, 0.2, None) == 1.0
+    assert prefill_share(policy, 0.2, 0.4) == 1.0  # a step with prefill is already within the target
+    assert prefill_share(policy, 0.6, 6.0) == 1.0  # decode-only steps alone are slower than the target
+    assert prefill_share(policy, 0.2, 6.2) == pytest.approx(0.05)  # (0.5 - 0.2) / 6.0
+    assert prefill_share(policy, 0.2, 60.0) == 0.05  # the floor: admission never stops
+
+
+@given(share=st.floats(min_value=0.01, max_value=1.0), steps=st.integers(min_value=1, max_value=500))
+def test_the_credit_admits_the_share_of_steps_evenly(share, steps):
+    credit, admitted, since, longest = 0.0, 0, 0, 0
+    for _ in range(steps):
+        allowed, credit = admit_prefill(credit, share)
+        assert 0 <= credit < 1
+        since += 1
+        if allowed:
+            admitted += 1
+            longest, since = max(longest, since), 0
+    assert steps * share - 1 <= admitted <= steps * share + 1e-6
+    assert max(longest, since) <= math.ceil(1 / share - 1e-9)  # never more than 1/φ steps between two
+
+
+def test_an_ungated_step_spends_nothing_and_a_quarter_share_admits_every_fourth():
+    credit = 0.0
+    for _ in range(10):
+        allowed, credit = admit_prefill(credit, 1.0)
+        assert allowed and credit == 0.0
+    assert [admit_prefill(c, 0.25)[0] for c in (0.0, 0.25, 0.5, 0.75)] == [False, False, False, True]
+
+
+def test_step_times_are_smoothed_from_the_first_sample():
+    assert smoothed(None, 3.0, 0.2) == 3.0
+    assert smoothed(3.0, 8.0, 0.2) == pytest.approx(4.0)
+
+
+def test_invalid_policies_are_rejected():
+    with pytest.raises(ValueError):
+        PrefillGatePolicy(target_gap_s=0)
+    with pytest.raises(ValueError):
+        PrefillGatePolicy(target_gap_s=1, min_share=0)
