@@ -80,15 +80,15 @@ class PrefillGate:
     def share(self) -> float:
         return prefill_share(self.policy, self.decode_step_s, self.prefill_step_s)
 
-    def scheduled(self, step: int, at: float, carries_prefill: bool) -> None:
+    def scheduled(self, output_id: int, at: float, carries_prefill: bool) -> None:
         if len(self._pending) > 64:  # steps whose output never came back (an engine that failed mid-step)
             self._pending.clear()
-        self._pending[step] = (at, carries_prefill)
+        self._pending[output_id] = (at, carries_prefill)
 
-    def ran(self, step: int, at: float) -> None:
-        if step not in self._pending:
+    def ran(self, output_id: int, at: float) -> None:
+        if output_id not in self._pending:
             return
-        started, prefill = self._pending.pop(step)
+        started, prefill = self._pending.pop(output_id)
         if prefill:
             self.prefill_step_s = smoothed(self.prefill_step_s, at - started, self.WEIGHT)
         else:
