@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share, smoothed
+from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share
 
 times = st.floats(min_value=1e-3, max_value=100.0)
 
@@ -51,11 +51,6 @@ def test_an_ungated_step_spends_nothing_and_a_quarter_share_admits_every_fourth(
         allowed, credit = admit_prefill(credit, 1.0)
         assert allowed and credit == 0.0
     assert [admit_prefill(c, 0.25)[0] for c in (0.0, 0.25, 0.5, 0.75)] == [False, False, False, True]
-
-
-def test_step_times_are_smoothed_from_the_first_sample():
-    assert smoothed(None, 3.0, 0.2) == 3.0
-    assert smoothed(3.0, 8.0, 0.2) == pytest.approx(4.0)
 
 
 def test_invalid_policies_are_rejected():

@@ -45,7 +45,8 @@ import time
 from vllm.v1.core.sched.request_queue import PriorityRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share, smoothed
+from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share
+from controller.laws.priority import ewma
 from workers.control_params import EntropicArgs
 from workers.tracking import GrantBoard, PriorityBoard
 
@@ -90,9 +91,9 @@ class PrefillGate:
             return
         started, prefill = self._pending.pop(output_id)
         if prefill:
-            self.prefill_step_s = smoothed(self.prefill_step_s, at - started, self.WEIGHT)
+            self.prefill_step_s = ewma(self.prefill_step_s, at - started, self.WEIGHT)
         else:
-            self.decode_step_s = smoothed(self.decode_step_s, at - started, self.WEIGHT)
+            self.decode_step_s = ewma(self.decode_step_s, at - started, self.WEIGHT)
 
 
 class EntropicScheduler(Scheduler):

@@ -50,8 +50,3 @@ def admit_prefill(credit: float, share: float) -> tuple[bool, float]:
     if credit >= 1.0 - 1e-9:  # ten steps of 0.1 make one step's worth, not 0.9999999999999999
         return True, max(0.0, credit - 1.0)
     return False, credit
-
-
-def smoothed(previous: float | None, sample: float, weight: float) -> float:
-    """Exponentially weighted mean of step times; the first sample is taken as it is."""
-    return sample if previous is None else (1 - weight) * previous + weight * sample
