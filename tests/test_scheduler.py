@@ -44,6 +44,12 @@ def _running(scheduler) -> set[str]:
     return {scheduler._keys[r.request_id] for r in scheduler.running}
 
 
+def _step(engine, produced: dict[str, int]) -> None:
+    """One engine step; ``produced`` holds each request's cumulative output tokens."""
+    for out in engine.step():
+        produced[out.request_id] = len(out.outputs[0].token_ids)
+
+
 def _drain(engine) -> dict[str, int]:
     tokens: dict[str, int] = {}
     while engine.has_unfinished_requests():
@@ -93,30 +99,26 @@ def test_decode_steps_follow_grants_and_paused_requests_resume_in_place(engine):
     scheduler.grants = grants
     produced: dict[str, int] = {}
 
-    def step() -> None:
-        for out in engine.step():
-            produced[out.request_id] = len(out.outputs[0].token_ids)  # cumulative outputs
-
     try:
         keys = ["grant-hi", "grant-lo"]
         _add(engine, keys)
-        step()  # admission and prefill (grants only pause running requests): one token each
+        _step(engine, produced)  # admission and prefill (grants only pause running requests): one token each
         assert produced == {"grant-hi": 1, "grant-lo": 1}
         pis = {"grant-hi": 2.0, "grant-lo": 1.0}
         scheduler.board.publish(pis)
         grants.renew(pis)
         withheld = scheduler.withheld_steps
         for _ in range(3):  # grant-hi's 3-step lease; grant-lo has none and pauses, still holding its KV
-            step()
+            _step(engine, produced)
             assert _running(scheduler) == set(keys)
         assert produced == {"grant-hi": 4, "grant-lo": 1}
         assert scheduler.withheld_steps == withheld + 3
-        step()  # no lease left anywhere: everyone runs rather than stall
+        _step(engine, produced)  # no lease left anywhere: everyone runs rather than stall
         assert produced == {"grant-hi": 5, "grant-lo": 2}
         pis = {"grant-hi": 1.0, "grant-lo": 2.0}  # the ranking flips: only grant-lo advances
         scheduler.board.publish(pis)
         grants.renew(pis)
-        step()
+        _step(engine, produced)
         assert produced == {"grant-hi": 5, "grant-lo": 3}
         finished = _drain(engine)
         assert finished == {"grant-hi": MAX_TOKENS, "grant-lo": MAX_TOKENS}  # the paused request resumed in place
@@ -131,11 +133,7 @@ def test_a_higher_pi_prompt_in_chunked_prefill_never_starves_decoding_requests(e
     _add(engine, ["starve-dec"], "Name a colour.", max_tokens=40)
     produced: dict[str, int] = {}
 
-    def step() -> None:
-        for out in engine.step():
-            produced[out.request_id] = len(out.outputs[0].token_ids)
-
-    step()
+    _step(engine, produced)
     assert produced == {"starve-dec": 1}
     long_prompt = " ".join(f"item {i}," for i in range(60))  # ~180 tokens: three chunks or more
     assert len(engine.get_tokenizer().encode(long_prompt)) > 2 * BUDGET
@@ -145,7 +143,7 @@ def test_a_higher_pi_prompt_in_chunked_prefill_never_starves_decoding_requests(e
         # As the replica's control loop does, every so often: admitted, the prompt is running mid-prefill
         scheduler.board.publish({"starve-dec": 0.1, "starve-pre": 50.0})
         before = produced["starve-dec"]
-        step()
+        _step(engine, produced)
         steps += 1
         assert produced["starve-dec"] == before + 1, f"step {steps}: the decoding request was left out"
     assert steps >= 3  # the prompt did take several chunks, each sharing its step with the decode
@@ -165,20 +163,16 @@ def test_the_prefill_gate_lets_its_share_of_contended_steps_carry_prefill(engine
     scheduler.prefill_gate = gate
     produced: dict[str, int] = {}
 
-    def step() -> None:
-        for out in engine.step():
-            produced[out.request_id] = len(out.outputs[0].token_ids)
-
     try:
         _add(engine, ["gate-dec"], "Name a colour.", max_tokens=40)
-        step()
+        _step(engine, produced)
         long_prompt = " ".join(f"entry {i};" for i in range(60))  # ~180 tokens: three chunks or more
         _add(engine, ["gate-pre"], long_prompt, max_tokens=4)
         prompt = next(r for r in scheduler.requests.values() if scheduler._keys.get(r.request_id) == "gate-pre")
         carried = []
         while "gate-pre" not in produced:
             before, computed = produced["gate-dec"], prompt.num_computed_tokens
-            step()
+            _step(engine, produced)
             assert produced["gate-dec"] == before + 1, "the decoding request must advance in every step"
             carried.append(prompt.num_computed_tokens > computed)
         chunks = sum(carried)
