@@ -46,16 +46,24 @@ class SchedulingConfig(BaseModel):
         "control period (highest π first); the others pause, keeping their KV, when their lease runs out. "
         "None: everyone is granted (no pausing)")
     grant_lease_steps: int = Field(8, ge=1, description="decode steps per granted lease")
+    tpot_target_decode_steps: float | None = Field(
+        5.0, gt=1, description="mean time per output token to hold for decoding requests, in decode-only steps of "
+        "this replica: engine steps carry other requests' prefill chunks only as often as keeps a decoding "
+        "request's mean gap between tokens within this many decode-only steps (controller.laws.prefill_gate). "
+        "Deferred prompts wait, so time to first token grows instead. None, with tpot_target_ms unset: prefill "
+        "chunks join every step, as in vLLM")
     tpot_target_ms: float | None = Field(
-        None, gt=0, description="mean time per output token to hold for decoding requests by letting only some "
-        "engine steps carry other requests' prefill chunks (controller.laws.prefill_gate): deferred prompts wait, "
-        "so time to first token grows instead. None: prefill chunks join every step, as in vLLM")
+        None, gt=0, description="the same target as a time, in place of tpot_target_decode_steps when set")
 
     def grant_policy(self) -> GrantPolicy:
         return GrantPolicy(slots=self.grant_slots, lease_steps=self.grant_lease_steps)
 
     def prefill_gate_policy(self) -> PrefillGatePolicy | None:
-        return None if self.tpot_target_ms is None else PrefillGatePolicy(target_gap_s=self.tpot_target_ms / 1000)
+        if self.tpot_target_ms is not None:
+            return PrefillGatePolicy(target_gap_s=self.tpot_target_ms / 1000)
+        if self.tpot_target_decode_steps is not None:
+            return PrefillGatePolicy(target_decode_steps=self.tpot_target_decode_steps)
+        return None
 
     def weights(self) -> PriorityWeights:
         return PriorityWeights(alpha=self.alpha, beta=self.beta, gamma=self.gamma, aging_s=self.aging_s,

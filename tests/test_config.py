@@ -55,6 +55,16 @@ def test_telemetry_off_turns_every_control_layer_off():
     assert ReplicaConfig().layers_on() == ReplicaConfig()
 
 
+def test_the_prefill_gate_counts_decode_steps_by_default_and_a_time_or_null_replaces_that():
+    from controller.config import SchedulingConfig
+
+    assert SchedulingConfig().prefill_gate_policy().target_decode_steps == 5.0
+    assert SchedulingConfig(tpot_target_ms=700).prefill_gate_policy().target_gap_s == pytest.approx(0.7)
+    assert SchedulingConfig(tpot_target_decode_steps=None).prefill_gate_policy() is None
+    with pytest.raises(ValidationError):
+        SchedulingConfig(tpot_target_decode_steps=1)
+
+
 def test_request_overrides_merge_over_defaults():
     defaults = SamplingControl(target_entropy=2.0, t_max=3.0)
     merged = defaults.merged({"target_entropy": 1.0})

@@ -22,6 +22,19 @@ def test_the_share_holds_the_mean_gap_at_the_target_wherever_it_can(decode, pref
         assert share == 1.0 or share == policy.min_share
 
 
+@given(decode=times, prefill=times, steps=st.floats(min_value=1.01, max_value=50.0))
+def test_a_target_in_decode_steps_holds_the_gap_at_that_many_decode_steps(decode, prefill, steps):
+    policy = PrefillGatePolicy(target_decode_steps=steps, min_share=1e-6)
+    share = prefill_share(policy, decode, prefill)
+    mean_gap = share * prefill + (1 - share) * decode
+    if prefill <= steps * decode:  # prefill steps are within the target already: no gate
+        assert share == 1.0
+    elif share > policy.min_share:
+        assert mean_gap == pytest.approx(steps * decode, rel=1e-9)
+    # the same share as the target in seconds at this decode step: one law, two ways to say the target
+    assert share == prefill_share(PrefillGatePolicy(target_gap_s=steps * decode, min_share=1e-6), decode, prefill)
+
+
 def test_no_gate_until_both_kinds_of_step_are_timed_and_a_floor_after():
     policy = PrefillGatePolicy(target_gap_s=0.5, min_share=0.05)
     assert prefill_share(policy, None, 6.0) == prefill_share(policy, 0.2, None) == 1.0
@@ -58,3 +71,9 @@ def test_invalid_policies_are_rejected():
         PrefillGatePolicy(target_gap_s=0)
     with pytest.raises(ValueError):
         PrefillGatePolicy(target_gap_s=1, min_share=0)
+    with pytest.raises(ValueError):
+        PrefillGatePolicy()  # no target
+    with pytest.raises(ValueError):
+        PrefillGatePolicy(target_gap_s=1, target_decode_steps=5)  # two
+    with pytest.raises(ValueError):
+        PrefillGatePolicy(target_decode_steps=1)  # a decode-only step cannot be shorter than itself

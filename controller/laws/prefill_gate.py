@@ -3,10 +3,14 @@
 A decoding request gets one token per engine step, so its time per output token is the mean length of
 the steps it shares. A step that carries a prefill chunk (up to ``max_num_batched_tokens`` prompt tokens)
 lasts many decode-only steps on a CPU, so when long prompts keep arriving a decoding request's tokens
-wait mostly for other requests' prompts. Holding a mean gap of ``target_gap_s`` means letting a share
-φ of those steps carry prefill, with
+wait mostly for other requests' prompts. Holding a mean gap of ``target`` means letting a share φ of
+those steps carry prefill, with
 
-    φ·prefill_step + (1 − φ)·decode_step = target_gap_s.
+    φ·prefill_step + (1 − φ)·decode_step = target.
+
+The target is either a time (``target_gap_s``) or a number of decode-only steps
+(``target_decode_steps``, target = that many times the decode-only step): a bound on how much other
+requests' prefill may slow a decoding request, which means the same on any machine, model or batch.
 
 Deferred prompt tokens are not dropped: they wait, so what the gate buys in time per output token is
 paid in time to first token, and in throughput where the decoding batch thins out meanwhile. A credit
@@ -21,14 +25,25 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PrefillGatePolicy:
-    target_gap_s: float  # mean time between a decoding request's tokens to hold
+    target_gap_s: float | None = None  # mean time between a decoding request's tokens to hold
+    target_decode_steps: float | None = None  # or that gap as a multiple of the decode-only step
     min_share: float = 0.05  # share of contended steps that carry prefill whatever the step times
 
     def __post_init__(self) -> None:
-        if self.target_gap_s <= 0:
+        if (self.target_gap_s is None) == (self.target_decode_steps is None):
+            raise ValueError("exactly one of target_gap_s and target_decode_steps")
+        if self.target_gap_s is not None and self.target_gap_s <= 0:
             raise ValueError("target_gap_s must be positive")
+        if self.target_decode_steps is not None and self.target_decode_steps <= 1:
+            raise ValueError("target_decode_steps must exceed 1 (a decode-only step is the shortest gap)")
         if not 0 < self.min_share <= 1:
             raise ValueError("min_share must be in (0, 1]")
+
+    def target_s(self, decode_step_s: float) -> float:
+        if self.target_gap_s is not None:
+            return self.target_gap_s
+        assert self.target_decode_steps is not None
+        return self.target_decode_steps * decode_step_s
 
 
 def prefill_share(policy: PrefillGatePolicy, decode_step_s: float | None, prefill_step_s: float | None) -> float:
@@ -37,7 +52,7 @@ def prefill_share(policy: PrefillGatePolicy, decode_step_s: float | None, prefil
     deferring prefill could not reach the target there and would only cost time to first token."""
     if decode_step_s is None or prefill_step_s is None:
         return 1.0
-    target = policy.target_gap_s
+    target = policy.target_s(decode_step_s)
     if prefill_step_s <= target or decode_step_s >= target:
         return 1.0
     return max(policy.min_share, (target - decode_step_s) / (prefill_step_s - decode_step_s))
