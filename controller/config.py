@@ -47,7 +47,7 @@ class SchedulingConfig(BaseModel):
         "None: everyone is granted (no pausing)")
     grant_lease_steps: int = Field(8, ge=1, description="decode steps per granted lease")
     tpot_target_decode_steps: float | None = Field(
-        5.0, gt=1, description="mean time per output token to hold for decoding requests, in decode-only steps of "
+        None, gt=1, description="mean time per output token to hold for decoding requests, in decode-only steps of "
         "this replica: engine steps carry other requests' prefill chunks only as often as keeps a decoding "
         "request's mean gap between tokens within this many decode-only steps (controller.laws.prefill_gate). "
         "Deferred prompts wait, so time to first token grows instead. None, with tpot_target_ms unset: prefill "

@@ -66,7 +66,7 @@ class ReplicaMetrics:
                                  "for lack of a decode-step grant", ["model_name"], registry=registry).labels(model_name)
         self._grants_seen = (0, 0)
         self._prefill_deferred = Counter("entropic_prefill_deferred_steps", "Engine steps the prefill gate ran without "
-                                         "prefill chunks while requests decoded (scheduling.tpot_target_decode_steps)",
+                                         "prefill chunks while requests decoded (scheduling.tpot_target_*)",
                                          ["model_name"], registry=registry).labels(model_name)
         self._prefill_deferred_seen = 0
         self._ended_early = Counter("entropic_requests_ended_early", "Requests that ended before they finished, by why: "
