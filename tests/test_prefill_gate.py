@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share
+from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, full_batch_step_s, prefill_share
 
 times = st.floats(min_value=1e-3, max_value=100.0)
 
@@ -33,6 +33,28 @@ def test_a_target_in_decode_steps_holds_the_gap_at_that_many_decode_steps(decode
         assert mean_gap == pytest.approx(steps * decode, rel=1e-9)
     # the same share as the target in seconds at this decode step: one law, two ways to say the target
     assert share == prefill_share(PrefillGatePolicy(target_gap_s=steps * decode, min_share=1e-6), decode, prefill)
+
+
+@given(per_sequence=st.floats(min_value=1e-4, max_value=1.0), now=st.integers(min_value=1, max_value=64),
+       more=st.integers(min_value=0, max_value=64), prefill=times)
+def test_a_target_in_steps_of_the_whole_batch_lets_more_prefill_through_while_prompts_wait(
+        per_sequence, now, more, prefill):
+    """Counted in the whole batch's steps, the target never tightens while prompts wait to join the batch."""
+    policy = PrefillGatePolicy(target_decode_steps=5, min_share=1e-6)
+    decode_now = full_batch_step_s(per_sequence, now)
+    alone = prefill_share(policy, decode_now, prefill)
+    assert alone == prefill_share(policy, decode_now, prefill, decode_now)  # the default: the step now
+    assert prefill_share(policy, decode_now, prefill, full_batch_step_s(per_sequence, now + more)) >= alone
+
+
+def test_the_whole_batch_step_scales_the_per_sequence_step():
+    assert full_batch_step_s(None, 8) is None
+    assert full_batch_step_s(0.02, 8) == pytest.approx(0.16)
+    assert full_batch_step_s(0.02, 0) == pytest.approx(0.02)  # an empty batch counts one sequence
+    # at the start of a wave: 1 sequence decodes in 0.04 s, 7 prompts wait, prefill steps take 10 s
+    policy = PrefillGatePolicy(target_decode_steps=5, min_share=0.05)
+    assert prefill_share(policy, 0.04, 10.0) == 0.05  # in the step now: (0.2 - 0.04) / 9.96, floored
+    assert prefill_share(policy, 0.04, 10.0, full_batch_step_s(0.04, 8)) == pytest.approx((1.6 - 0.04) / 9.96)
 
 
 def test_no_gate_until_both_kinds_of_step_are_timed_and_a_floor_after():

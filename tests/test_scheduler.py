@@ -150,7 +150,13 @@ def test_a_higher_pi_prompt_in_chunked_prefill_never_starves_decoding_requests(e
     _drain(engine)
 
 
-def test_the_prefill_gate_lets_its_share_of_contended_steps_carry_prefill(engine):
+@pytest.mark.parametrize("target,prefill_s", [
+    ({"target_gap_s": 0.2}, 0.5),  # (0.2 - 0.1) / (0.5 - 0.1) = 1/4
+    # 1.5 steps of the whole batch (the decoding request and the prompt: 0.2 s) = 0.3 s; (0.3 - 0.1) / (0.9 - 0.1)
+    # = 1/4. Counted in the step now (0.1 s), it would be (0.15 - 0.1) / 0.8 = 1/16
+    ({"target_decode_steps": 1.5}, 0.9),
+], ids=["time", "whole-batch-steps"])
+def test_the_prefill_gate_lets_its_share_of_contended_steps_carry_prefill(engine, target, prefill_s):
     """Step times held where the law gives φ = 1/4: while a request decodes, a prompt is admitted and
     prefilled only in every fourth step (vLLM's throttle_prefills in the other three), and the decoding
     request advances in every step."""
@@ -158,15 +164,16 @@ def test_the_prefill_gate_lets_its_share_of_contended_steps_carry_prefill(engine
     from workers.scheduler import PrefillGate
 
     engine, scheduler = engine
-    gate = PrefillGate(PrefillGatePolicy(target_gap_s=0.2))
-    gate.decode_step_s, gate.prefill_step_s, gate.WEIGHT = 0.1, 0.5, 0.0  # (0.2 - 0.1) / (0.5 - 0.1) = 1/4
+    gate = PrefillGate(PrefillGatePolicy(**target))
+    gate.decode_step_s, gate.decode_per_sequence_s, gate.prefill_step_s, gate.WEIGHT = 0.1, 0.1, prefill_s, 0.0
     scheduler.prefill_gate = gate
     produced: dict[str, int] = {}
 
     try:
         _add(engine, ["gate-dec"], "Name a colour.", max_tokens=40)
         _step(engine, produced)
-        long_prompt = " ".join(f"entry {i};" for i in range(60))  # ~180 tokens: three chunks or more
+        # ~180 tokens: three chunks or more; a prompt of each case's own (the prefix cache holds the other's)
+        long_prompt = f"Case {prefill_s}. " + " ".join(f"entry {i};" for i in range(60))
         _add(engine, ["gate-pre"], long_prompt, max_tokens=4)
         prompt = next(r for r in scheduler.requests.values() if scheduler._keys.get(r.request_id) == "gate-pre")
         carried = []
@@ -197,7 +204,7 @@ def test_an_untimed_prefill_gate_defers_nothing_and_times_both_kinds_of_step(eng
         assert _drain(engine) == {"timed-dec": 8, "timed-pre": 4}
         # decode-only steps miss the target on their own: deferring could not reach it, so nothing was
         assert gate.deferred_steps == 0
-        assert gate.decode_step_s is not None and gate.prefill_step_s is not None
-        assert 0 < gate.decode_step_s and 0 < gate.prefill_step_s
+        assert None not in (gate.decode_step_s, gate.decode_per_sequence_s, gate.prefill_step_s)
+        assert 0 < gate.decode_per_sequence_s <= gate.decode_step_s and 0 < gate.prefill_step_s
     finally:
         scheduler.prefill_gate = None

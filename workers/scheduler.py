@@ -46,7 +46,7 @@ import time
 from vllm.v1.core.sched.request_queue import PriorityRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, prefill_share
+from controller.laws.prefill_gate import PrefillGatePolicy, admit_prefill, full_batch_step_s, prefill_share
 from controller.laws.priority import ewma
 from workers.control_params import EntropicArgs
 from workers.tracking import GrantBoard, PriorityBoard
@@ -59,42 +59,47 @@ def _prefilling(request) -> bool:
 
 
 class PrefillGate:
-    """The gate's state in one scheduler: smoothed step times of each kind, timed from ``schedule`` to
-    ``update_from_output`` (the step's model run), and the law's credit."""
+    """The gate's state in one scheduler: smoothed step times of each kind (and of a decode-only step per
+    decoding sequence), timed from ``schedule`` to ``update_from_output`` (the step's model run), and the
+    law's credit."""
 
     WEIGHT = 0.2  # of the newest step time in each kind's smoothed mean
 
     def __init__(self, policy: PrefillGatePolicy) -> None:
         self.policy = policy
         self.decode_step_s: float | None = None
+        self.decode_per_sequence_s: float | None = None
         self.prefill_step_s: float | None = None
         self.credit = 0.0
         self.deferred_steps = 0  # contended steps that ran without prefill
-        # id(SchedulerOutput) -> (scheduled at, carries prefill), until the step's output comes back
-        self._pending: dict[int, tuple[float, bool]] = {}
+        # id(SchedulerOutput) -> (scheduled at, carries prefill, sequences), until the step's output comes back
+        self._pending: dict[int, tuple[float, bool, int]] = {}
 
-    def admit(self) -> bool:
-        """A contended step: whether it may carry prefill."""
-        allowed, self.credit = admit_prefill(self.credit, self.share())
+    def admit(self, full_batch: int) -> bool:
+        """A contended step: whether it may carry prefill. ``full_batch``: the sequences that would decode
+        once every running and waiting request does (what a target in decode-only steps counts)."""
+        allowed, self.credit = admit_prefill(self.credit, self.share(full_batch))
         self.deferred_steps += not allowed
         return allowed
 
-    def share(self) -> float:
-        return prefill_share(self.policy, self.decode_step_s, self.prefill_step_s)
+    def share(self, full_batch: int) -> float:
+        return prefill_share(self.policy, self.decode_step_s, self.prefill_step_s,
+                             full_batch_step_s(self.decode_per_sequence_s, full_batch))
 
-    def scheduled(self, output_id: int, at: float, carries_prefill: bool) -> None:
+    def scheduled(self, output_id: int, at: float, carries_prefill: bool, sequences: int) -> None:
         if len(self._pending) > 64:  # steps whose output never came back (an engine that failed mid-step)
             self._pending.clear()
-        self._pending[output_id] = (at, carries_prefill)
+        self._pending[output_id] = (at, carries_prefill, sequences)
 
     def ran(self, output_id: int, at: float) -> None:
         if output_id not in self._pending:
             return
-        started, prefill = self._pending.pop(output_id)
+        started, prefill, sequences = self._pending.pop(output_id)
         if prefill:
             self.prefill_step_s = ewma(self.prefill_step_s, at - started, self.WEIGHT)
         else:
             self.decode_step_s = ewma(self.decode_step_s, at - started, self.WEIGHT)
+            self.decode_per_sequence_s = ewma(self.decode_per_sequence_s, (at - started) / sequences, self.WEIGHT)
 
 
 class EntropicScheduler(Scheduler):
@@ -139,7 +144,8 @@ class EntropicScheduler(Scheduler):
         if self.grants is not None:
             self.grants.spend([self._keys[r] for r in output.num_scheduled_tokens if r in self._keys])
         if self.prefill_gate is not None and output.num_scheduled_tokens:
-            self.prefill_gate.scheduled(id(output), started, any(n > 1 for n in output.num_scheduled_tokens.values()))
+            self.prefill_gate.scheduled(id(output), started, any(n > 1 for n in output.num_scheduled_tokens.values()),
+                                        len(output.num_scheduled_tokens))
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -152,15 +158,11 @@ class EntropicScheduler(Scheduler):
         prompt tokens wait, asks the gate (and spends its credit)."""
         if self.prefill_gate is None:
             return False
-        decoding = prefilling = False
-        for request in self.running:
-            if _prefilling(request):
-                prefilling = True
-            else:
-                decoding = True
+        prefilling = sum(map(_prefilling, self.running))
+        decoding = len(self.running) - prefilling
         if not decoding or not (prefilling or self.waiting):
             return False
-        return not self.prefill_gate.admit()
+        return not self.prefill_gate.admit(min(len(self.running) + len(self.waiting), self.max_num_running_reqs))
 
     def _withhold_ungranted(self) -> list:
         if self.grants is None or not self.running:

@@ -9,8 +9,11 @@ those steps carry prefill, with
     φ·prefill_step + (1 − φ)·decode_step = target.
 
 The target is either a time (``target_gap_s``) or a number of decode-only steps
-(``target_decode_steps``, target = that many times the decode-only step): a bound on how much other
-requests' prefill may slow a decoding request, which means the same on any machine, model or batch.
+(``target_decode_steps``): a bound on how much other requests' prefill may slow a decoding request,
+which means the same on any machine and model. The steps counted are those of the whole batch, every
+running and waiting request decoding (the caller's estimate), not of the batch decoding now: at the
+start of a wave of long prompts a few requests decode while many prompts wait, and a target counted in
+those short steps would hold prefill back hardest exactly when most requests wait for their first token.
 
 Deferred prompt tokens are not dropped: they wait, so what the gate buys in time per output token is
 paid in time to first token, and in throughput where the decoding batch thins out meanwhile. A credit
@@ -39,23 +42,33 @@ class PrefillGatePolicy:
         if not 0 < self.min_share <= 1:
             raise ValueError("min_share must be in (0, 1]")
 
-    def target_s(self, decode_step_s: float) -> float:
+    def target_s(self, full_decode_step_s: float) -> float:
         if self.target_gap_s is not None:
             return self.target_gap_s
         assert self.target_decode_steps is not None
-        return self.target_decode_steps * decode_step_s
+        return self.target_decode_steps * full_decode_step_s
 
 
-def prefill_share(policy: PrefillGatePolicy, decode_step_s: float | None, prefill_step_s: float | None) -> float:
-    """φ: the share of contended steps that may carry prefill. 1 (no gate) until both step kinds have been
-    timed, where steps that carry prefill already meet the target, and where decode-only steps alone miss it:
-    deferring prefill could not reach the target there and would only cost time to first token."""
+def prefill_share(policy: PrefillGatePolicy, decode_step_s: float | None, prefill_step_s: float | None,
+                  full_decode_step_s: float | None = None) -> float:
+    """φ: the share of contended steps that may carry prefill, from the decode-only step now and, for a
+    target in steps, the decode-only step of the whole batch (default: the step now). 1 (no gate) until both
+    step kinds have been timed, where steps that carry prefill already meet the target, and where decode-only
+    steps alone miss it: deferring prefill could not reach the target there and would only cost time to
+    first token."""
     if decode_step_s is None or prefill_step_s is None:
         return 1.0
-    target = policy.target_s(decode_step_s)
+    target = policy.target_s(decode_step_s if full_decode_step_s is None else full_decode_step_s)
     if prefill_step_s <= target or decode_step_s >= target:
         return 1.0
     return max(policy.min_share, (target - decode_step_s) / (prefill_step_s - decode_step_s))
+
+
+def full_batch_step_s(per_sequence_s: float | None, batch: int) -> float | None:
+    """The decode-only step of ``batch`` sequences, from the smoothed decode-only step per decoding sequence.
+    Linear: a step's fixed part (reading the weights) counts once per sequence, so at small batches this
+    overestimates the whole batch's step, which errs towards letting prefill through."""
+    return None if per_sequence_s is None else per_sequence_s * max(1, batch)
 
 
 def admit_prefill(credit: float, share: float) -> tuple[bool, float]:
