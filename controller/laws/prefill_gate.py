@@ -29,7 +29,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PrefillGatePolicy:
     target_gap_s: float | None = None  # mean time between a decoding request's tokens to hold
-    target_decode_steps: float | None = None  # or that gap as a multiple of the decode-only step
+    target_decode_steps: float | None = None  # or as a multiple of the whole batch's decode-only step
     min_share: float = 0.05  # share of contended steps that carry prefill whatever the step times
 
     def __post_init__(self) -> None:
