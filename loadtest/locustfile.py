@@ -19,7 +19,8 @@ answered; Poisson or evenly spaced; one Locust user issues them all)::
     LOCUST_RATE=1.5 LOCUST_ARRIVALS=poisson locust -f loadtest/locustfile.py --headless -u 1 -t 2m --host ...
 
 ``LOCUST_SHAPE=steady|burst`` replaces ``-u/-r/-t`` in closed loop. ``LOCUST_MIX=chat:3,long:1,...`` weighs the
-workloads. ``LOCUST_REPORT=PATH`` writes ``PATH.json``, ``PATH.md`` and ``PATH.png`` when the run ends.
+workloads (interleaved in those proportions, not drawn at random, so every one is sent early in a run).
+``LOCUST_REPORT=PATH`` writes ``PATH.json``, ``PATH.md`` and ``PATH.png`` when the run ends.
 
 Metrics as ``vllm bench serve`` defines them (``loadtest/request_metrics.py`` says how). Locust's own table
 shows them too, as rows ``<workload> ttft``, ``tpot``, ``itl`` (one entry per gap) and ``e2e``, in ms.
@@ -174,9 +175,18 @@ def send(user: HttpUser, request: Request) -> Outcome:
     return outcome
 
 
+_CREDIT = dict.fromkeys(MIX, 0.0)
+
+
 def _draw(rng: random.Random) -> Request:
-    names = list(MIX)
-    return WORKLOADS[rng.choices(names, weights=[MIX[n] for n in names])[0]](rng)
+    """The next workload of the run, in the mix's proportions interleaved smoothly (nginx's smooth weighted
+    round robin over all users): a short run still sends every workload early, where independent random
+    draws could leave one out of it altogether."""
+    for name, weight in MIX.items():
+        _CREDIT[name] += weight
+    name = max(_CREDIT, key=_CREDIT.__getitem__)
+    _CREDIT[name] -= sum(MIX.values())
+    return WORKLOADS[name](rng)
 
 
 if RATE > 0:

@@ -30,7 +30,9 @@ def _locust(server: str, model: str, tmp_path: Path, extra_env: dict, args: list
 
 def test_closed_loop_streams_every_workload_and_reports_vllm_bench_metrics(server, served_model, tmp_path):
     report = _locust(server, served_model, tmp_path, {"LOCUST_MIX": "chat:1,long:1,free:1,entropic:1"},
-                     ["-u", "4", "-r", "4", "-t", "20s"])
+                     # the mix is interleaved, so the four users' first requests are one of each workload;
+                     # --stop-timeout lets requests under way at the end finish instead of vanishing
+                     ["-u", "4", "-r", "4", "-t", "20s", "--stop-timeout", "120"])
     rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
     summary = report["summary"]
     assert summary["all"]["failed"] == 0, summary["errors"]
