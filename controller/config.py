@@ -47,12 +47,12 @@ class SchedulingConfig(BaseModel):
         "None: everyone is granted (no pausing)")
     grant_lease_steps: int = Field(8, ge=1, description="decode steps per granted lease")
     tpot_target_decode_steps: float | None = Field(
-        None, gt=1, description="mean time per output token to hold for decoding requests, in decode-only steps of "
+        5.0, gt=1, description="mean time per output token to hold for decoding requests, in decode-only steps of "
         "this replica's whole batch (every running and waiting request decoding): engine steps carry other "
         "requests' prefill chunks only as often as keeps a decoding request's mean gap between tokens within "
         "this many such steps (controller.laws.prefill_gate). "
-        "Deferred prompts wait, so time to first token grows instead. None, with tpot_target_ms unset: prefill "
-        "chunks join every step, as in vLLM")
+        "Deferred prompts wait, so time to first token grows instead. None, with tpot_target_ms unset, turns the "
+        "gate off: prefill chunks join every step, as in vLLM")
     tpot_target_ms: float | None = Field(
         None, gt=0, description="the same target as a time, in place of tpot_target_decode_steps when set")
 

@@ -55,11 +55,11 @@ def test_telemetry_off_turns_every_control_layer_off():
     assert ReplicaConfig().layers_on() == ReplicaConfig()
 
 
-def test_the_prefill_gate_is_off_by_default_and_takes_a_target_in_decode_steps_or_in_time():
+def test_the_prefill_gate_holds_5_decode_steps_by_default_and_takes_a_time_or_null_instead():
     from controller.config import SchedulingConfig
 
-    assert SchedulingConfig().prefill_gate_policy() is None
-    assert SchedulingConfig(tpot_target_decode_steps=5).prefill_gate_policy().target_decode_steps == 5.0
+    assert SchedulingConfig().prefill_gate_policy().target_decode_steps == 5.0
+    assert SchedulingConfig(tpot_target_decode_steps=None).prefill_gate_policy() is None
     assert SchedulingConfig(tpot_target_ms=700).prefill_gate_policy().target_gap_s == pytest.approx(0.7)
     both = SchedulingConfig(tpot_target_decode_steps=5, tpot_target_ms=700).prefill_gate_policy()
     assert both.target_gap_s == pytest.approx(0.7) and both.target_decode_steps is None  # the time wins
