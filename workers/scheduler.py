@@ -27,8 +27,8 @@ reach: it keeps its KV blocks and the model runner resumes it in place later (vl
 them). While they are left out, the running-request limits shrink by as many, so admission cannot
 fill their slots. Without a GrantBoard, or when no key holds a lease, nothing is withheld.
 
-Prefill gate (``prefill_gate``, a PrefillGate; controller.laws.prefill_gate), unless the scheduling config
-turns it off (``tpot_target_decode_steps``, 5 by default, or ``tpot_target_ms``): a step in which requests
+Prefill gate (``prefill_gate``, a PrefillGate; controller.laws.prefill_gate; its target is
+``tpot_target_decode_steps``, 5 by default, or ``tpot_target_ms``; off when both are null): a step in which requests
 decode while prompt tokens wait carries prefill chunks only as often as the law allows for the target mean
 gap between tokens, from the times of the steps of each kind so far; the other steps run vLLM's own
 ``throttle_prefills`` (the data-parallel prefill cadence: prefill chunks and admissions wait, decodes
