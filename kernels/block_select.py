@@ -33,15 +33,15 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, physical: torch.Tenso
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [P, W] for queries q [P, KVH, G, D] over the blocks ``physical`` [P, W] (physical ids).
 
-    ``summaries`` is [KVH, num_blocks, 2D]: per KV head and block, the per-channel (max | min) of
-    the keys. ``bias`` [P, W] is added as is: w * log S_b, and +inf / -inf for blocks that must /
-    must not be chosen (select_blocks keeps the K highest).
+    ``summaries`` is [KVH, num_blocks, 2D] (any float dtype; scored in float32): per KV head and block,
+    the per-channel (max | min) of the keys. ``bias`` [P, W] is added as is: w * log S_b, and +inf / -inf
+    for blocks that must / must not be chosen (select_blocks keeps the K highest).
     """
     rows, kv_heads, group, d = q.shape
     width = physical.shape[1]
     q = q.float().permute(1, 0, 2, 3)
     signed = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1).reshape(kv_heads * rows, group, 2 * d)
-    gathered = summaries.index_select(1, physical.reshape(-1)).view(kv_heads * rows, width, 2 * d)
+    gathered = summaries.index_select(1, physical.reshape(-1)).float().view(kv_heads * rows, width, 2 * d)
     # [q+ | q-] against [kmax | kmin]: the small head dimension on the left keeps the batched
     # matmul fast on CPU BLAS (3-4x faster than the transposed product here)
     upper = torch.bmm(signed, gathered.transpose(1, 2)).view(kv_heads, rows, group, width).amax(dim=2).amax(dim=0)
@@ -82,7 +82,8 @@ def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries
 
     ``key_cache`` is [num_blocks, KVH, block_size, D], or [num_blocks, KVH, token groups, tokens per
     group, channel groups, channels per group] for a cache that packs a block's keys in tiles (vLLM's
-    AMX layout: workers.pruned_attention.key_cache_view). Only full blocks are summarized (the
+    AMX layout: workers.pruned_attention.key_cache_view). ``summaries`` in the cache's dtype holds the
+    extremes exactly; a narrower one rounds them. Only full blocks are summarized (the
     current, partially filled block is always kept and never scored), so a summary is computed
     once, when its block is first needed, instead of on every cache write.
     """
@@ -93,4 +94,4 @@ def summarize_blocks(key_cache: torch.Tensor, block_ids: torch.Tensor, summaries
     kmin, kmax = keys.amin(dim=tokens), keys.amax(dim=tokens)
     if keys.dim() == 6:
         kmin, kmax = kmin.flatten(-2), kmax.flatten(-2)
-    summaries.index_copy_(1, block_ids, pack_summaries(kmin, kmax).transpose(0, 1))
+    summaries.index_copy_(1, block_ids, pack_summaries(kmin, kmax).transpose(0, 1).to(summaries.dtype))

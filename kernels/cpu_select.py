@@ -14,8 +14,8 @@ from kernels import cbuild
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.entropic_select_blocks.argtypes = [p, i32, i64, p, p, i64, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float,
-                                           p, i64, p]
+    lib.entropic_select_blocks.argtypes = [p, i32, i64, p, p, i32, i64, p, p, p, i32, i32, i32, i32, i32,
+                                           ctypes.c_float, p, i64, p]
     lib.entropic_select_blocks.restype = i32
 
 
@@ -30,7 +30,7 @@ def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torc
     """Score, select and write the kept blocks of each pruned row into ``table`` (vLLM's int32 block table).
 
     query [T, H, D] float32 or bf16 (the layer's query; each token's heads and channels contiguous), of which
-    row p scores with token tokens[p], its H heads in KV-head groups; summaries [KVH, NB, 2D] float32;
+    row p scores with token tokens[p], its H heads in KV-head groups; summaries [KVH, NB, 2D] float32 or bf16;
     physical [P, W] int64; bias [P, W] float32; tokens, keep, rows [P] int64; table [R, max_blocks] int32
     with contiguous rows. Returns False (nothing written) when the library is unavailable or the shapes
     are outside its limits.
@@ -41,9 +41,11 @@ def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torc
     heads, d = query.shape[1:]
     if query.stride(2) != 1 or query.stride(1) != d:
         return False
-    expected = ((summaries, torch.float32), (physical, torch.int64), (bias, torch.float32), (keep, torch.int64),
-                (rows, torch.int64), (tokens, torch.int64))
+    expected = ((physical, torch.int64), (bias, torch.float32), (keep, torch.int64), (rows, torch.int64),
+                (tokens, torch.int64))
     if any(t.dtype != dtype or not t.is_contiguous() for t, dtype in expected):
+        return False
+    if summaries.dtype not in (torch.float32, torch.bfloat16) or not summaries.is_contiguous():
         return False
     lib = load()
     if lib is None:
@@ -51,6 +53,7 @@ def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torc
     kv_heads = summaries.shape[0]
     status = lib.entropic_select_blocks(
         query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), tokens.data_ptr(), summaries.data_ptr(),
-        summaries.shape[1], physical.data_ptr(), bias.data_ptr(), keep.data_ptr(), len(rows), kv_heads,
-        heads // kv_heads, d, physical.shape[1], float(scale), table.data_ptr(), table.stride(0), rows.data_ptr())
+        int(summaries.dtype == torch.bfloat16), summaries.shape[1], physical.data_ptr(), bias.data_ptr(),
+        keep.data_ptr(), len(rows), kv_heads, heads // kv_heads, d, physical.shape[1], float(scale), table.data_ptr(),
+        table.stride(0), rows.data_ptr())
     return status == 0

@@ -29,12 +29,13 @@ def load() -> ctypes.CDLL | None:
 
 
 def summarize_into(kv_cache: torch.Tensor, isa: str, block_ids: torch.Tensor, summaries: torch.Tensor) -> bool:
-    """summaries [KVH, NB, 2D] float32 <- per-channel (max | min) of the keys of ``block_ids`` (int64).
+    """summaries [KVH, NB, 2D] <- per-channel (max | min) of the keys of ``block_ids`` (int64).
 
     ``kv_cache`` is vLLM's CPU cache for one layer, [NB, KVH, block_size, 2D], keys first in each block
-    and head, in the layout of ``isa``. Returns False (nothing written) where this cannot run.
+    and head, in the layout of ``isa``; ``summaries`` has the cache's dtype (the extremes of its values
+    are its values: nothing is rounded). Returns False (nothing written) where this cannot run.
     """
-    if kv_cache.dtype not in DTYPES or isa not in LAYOUTS or summaries.dtype != torch.float32:
+    if kv_cache.dtype not in DTYPES or isa not in LAYOUTS or summaries.dtype != kv_cache.dtype:
         return False
     blocks, kv_heads, block_size, two_d = kv_cache.shape
     if (kv_cache.stride(3) != 1 or kv_cache.stride(2) != two_d or not summaries.is_contiguous()

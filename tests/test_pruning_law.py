@@ -130,16 +130,20 @@ def test_selection_keeps_sink_and_current_block_in_order():
 
 
 # group: query heads per KV head; 1-8 take the kernel's unrolled paths, 12 its general loop; the query is
-# read in place from a layer's [tokens, heads, D] query (float32 or bf16, rows strided as a slice of vLLM's qkv)
-@pytest.mark.parametrize("seed,group,dtype", [(0, 3, torch.float32), (1, 3, torch.bfloat16), (2, 3, torch.float32),
-                                              (3, 1, torch.bfloat16), (4, 8, torch.float32), (5, 12, torch.float32)])
-def test_fused_cpu_selection_matches_the_torch_path(seed, group, dtype):
+# read in place from a layer's [tokens, heads, D] query (float32 or bf16, rows strided as a slice of vLLM's qkv);
+# the summaries are in the cache's dtype (float32 or bf16)
+@pytest.mark.parametrize("seed,group,dtype,summary_dtype", [
+    (0, 3, torch.float32, torch.float32), (1, 3, torch.bfloat16, torch.bfloat16),
+    (2, 3, torch.float32, torch.float32), (3, 1, torch.bfloat16, torch.bfloat16),
+    (4, 8, torch.float32, torch.float32), (5, 12, torch.float32, torch.float32),
+    (6, 3, torch.bfloat16, torch.float32), (7, 12, torch.bfloat16, torch.bfloat16)])
+def test_fused_cpu_selection_matches_the_torch_path(seed, group, dtype, summary_dtype):
     from kernels.cpu_select import load, select_into_table
 
     assert load() is not None, "the fused selection library must build here (cc is part of the toolchain)"
     gen = torch.Generator().manual_seed(seed)
     rows, kv_heads, d, pool, width = 5, 3, 64, 300, 57
-    summaries = torch.randn(kv_heads, pool, 2 * d, generator=gen)
+    summaries = torch.randn(kv_heads, pool, 2 * d, generator=gen).to(summary_dtype)
     nblocks = torch.randint(8, width + 1, (rows,), generator=gen)
     physical = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in range(rows)])
     keep = torch.minimum(torch.randint(2, 20, (rows,), generator=gen), nblocks)
@@ -174,10 +178,16 @@ def test_c_key_summaries_match_the_torch_path(isa, dtype, block_size):
     blocks, kv_heads, d = 30, 3, 64
     cache = torch.randn(blocks, kv_heads, block_size, 2 * d, generator=gen).to(dtype)
     ids = torch.tensor([0, 7, 3, 29, 12])
-    want, got = torch.zeros(kv_heads, blocks, 2 * d), torch.full((kv_heads, blocks, 2 * d), 99.0)
+    # in the cache's dtype, as the backend keeps them: the extremes of its values are exact there
+    want = torch.zeros(kv_heads, blocks, 2 * d, dtype=dtype)
+    got = torch.full((kv_heads, blocks, 2 * d), 99.0, dtype=dtype)
     summarize_blocks(key_cache_view(cache, isa), ids, want)
     assert summarize_into(cache, isa, ids, got)
     assert torch.equal(got[:, ids], want[:, ids])
+    if isa == "vec":  # nothing rounded: the float32 extremes of the keys, exactly
+        keys = key_cache_view(cache, isa).float()[ids]  # [blocks, KV heads, tokens, channels]
+        assert torch.equal(got[:, ids, :d].float(), keys.amax(dim=2).transpose(0, 1))
+        assert torch.equal(got[:, ids, d:].float(), keys.amin(dim=2).transpose(0, 1))
     others = torch.ones(blocks, dtype=torch.bool)
     others[ids] = False
     assert bool((got[:, others] == 99.0).all()), "only the listed blocks are written"
@@ -192,6 +202,7 @@ def test_c_key_summaries_decline_what_they_do_not_read():
     assert not summarize_into(torch.zeros(4, 2, 32, 32), "amx", ids, summaries)  # AMX tiles are bf16 only
     assert not summarize_into(torch.zeros(4, 2, 32, 32), "neon", ids, summaries)  # layout
     assert not summarize_into(torch.zeros(4, 2, 32, 32), "vec", torch.tensor([4]), summaries)  # block out of range
+    assert not summarize_into(torch.zeros(4, 2, 32, 32, dtype=torch.bfloat16), "vec", ids, summaries)  # not its dtype
     assert bool((summaries == 0).all())
 
 

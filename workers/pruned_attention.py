@@ -14,7 +14,7 @@ order, current block last) and the matching shorter sequence length.
   kernel the compacted table: one fused C call (kernels.cpu_select) where it builds, else the
   torch path (kernels.block_select), which selects the same blocks. Only *which* blocks varies
   by layer.
-* Key summaries (per-channel min/max per block and KV head) are computed lazily, for full
+* Key summaries (per-channel min/max per block and KV head, in the cache's dtype) are computed lazily, for full
   blocks only, the first time a pruned row needs them (one C call reading the cache in place,
   kernels.cpu_summary, else the torch path), and dropped when a block's first slot is written
   again (the block pool recycled it). No work is added to cache writes, so
@@ -106,8 +106,10 @@ class PrunedCPUAttentionBackendImpl(PrunedLayers, CPUAttentionBackendImpl):
                          plan: PrunePlan) -> torch.Tensor:
         isa = layer.isa  # set on each layer by vLLM's builder
         blocks, kv_heads, _, two_d = kv_cache.shape
-        if self._summaries is None or self._summaries.shape[1] != blocks:
-            self._summaries = torch.zeros(kv_heads, blocks, two_d, dtype=torch.float32)
+        # In the cache's dtype: the extremes of bf16 keys are bf16 values, and selection reads half the bytes
+        dtype = kv_cache.dtype if kv_cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        if self._summaries is None or self._summaries.shape[1] != blocks or self._summaries.dtype != dtype:
+            self._summaries = torch.zeros(kv_heads, blocks, two_d, dtype=dtype)
         if plan.summarize.numel() and not (
                 STATE.fused_selection and summarize_into(kv_cache, isa, plan.summarize, self._summaries)):
             summarize_blocks(key_cache_view(kv_cache, isa), plan.summarize, self._summaries)

@@ -2,7 +2,8 @@
  *
  * One call per attention layer and step does, for every pruned row p (its query read in place from the layer's):
  *   score[w] = bias[p,w] + scale * max_{h in KV heads, g in group} sum_c max(q c * kmax c, q c * kmin c)
- * over its W logical blocks (physical ids physical[p,w]; summaries [KVH, NB, 2D] = (kmax | kmin)),
+ * over its W logical blocks (physical ids physical[p,w]; summaries [KVH, NB, 2D] = (kmax | kmin), float32
+ * or bf16: block_summary.c keeps them in the cache's dtype, and bf16 ones halve what each layer reads),
  * keeps the keep[p] highest (the +inf bias of the sink and current block puts them in; -inf past
  * the row's blocks keeps those out), and writes their physical ids, in ascending logical order, into
  * row rows[p] of vLLM's block table. The torch path needs ~12 tensor ops (and their allocations)
@@ -55,12 +56,19 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-static inline __attribute__((always_inline)) float max_dot_fixed(const float *sq, const float *s, int n,
-                                                                 const int GROUP) {
+/* 8 summary values from c on, as floats (bf16: its bits are a float's upper half) */
+static inline __attribute__((always_inline)) __m256 load8(const void *s, int c, const int BF16) {
+    if (!BF16) return _mm256_loadu_ps((const float *)s + c);
+    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)s + c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+static inline __attribute__((always_inline)) float max_dot_fixed(const float *sq, const void *s, int n,
+                                                                 const int GROUP, const int BF16) {
     __m256 even[8], odd[8];
     for (int g = 0; g < GROUP; g++) even[g] = odd[g] = _mm256_setzero_ps();
     for (int c = 0; c < n; c += 16) {
-        __m256 s0 = _mm256_loadu_ps(s + c), s1 = _mm256_loadu_ps(s + c + 8);
+        __m256 s0 = load8(s, c, BF16), s1 = load8(s, c + 8, BF16);
         for (int g = 0; g < GROUP; g++) {
             even[g] = _mm256_fmadd_ps(_mm256_loadu_ps(sq + g * n + c), s0, even[g]);
             odd[g] = _mm256_fmadd_ps(_mm256_loadu_ps(sq + g * n + c + 8), s1, odd[g]);
@@ -75,32 +83,8 @@ static inline __attribute__((always_inline)) float max_dot_fixed(const float *sq
 }
 #endif
 
-static float max_dot(const float *sq, const float *s, int group, int n) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if ((n & 15) == 0) { /* every head size vLLM serves: 2 * d with d a multiple of 8 */
-        switch (group) {
-            case 1: return max_dot_fixed(sq, s, n, 1);
-            case 2: return max_dot_fixed(sq, s, n, 2);
-            case 3: return max_dot_fixed(sq, s, n, 3);
-            case 4: return max_dot_fixed(sq, s, n, 4);
-            case 5: return max_dot_fixed(sq, s, n, 5);
-            case 6: return max_dot_fixed(sq, s, n, 6);
-            case 7: return max_dot_fixed(sq, s, n, 7);
-            case 8: return max_dot_fixed(sq, s, n, 8);
-            default: break;
-        }
-    }
-#endif
-    float best = -INFINITY;
-    for (int g = 0; g < group; g++) {
-        float acc = 0.f;
-        for (int c = 0; c < n; c++) acc += sq[g * n + c] * s[c];
-        if (acc > best) best = acc;
-    }
-    return best;
-}
-
-static inline float query_at(const void *row, int bf16, int i) {
+/* element i of a float32 or bf16 array */
+static inline float value_at(const void *row, int bf16, int64_t i) {
     if (!bf16) return ((const float *)row)[i];
     uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
     float f;
@@ -108,11 +92,45 @@ static inline float query_at(const void *row, int bf16, int i) {
     return f;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define GROUP_CASES(BF16)                                                 \
+    switch (group) {                                                      \
+        case 1: return max_dot_fixed(sq, s, n, 1, BF16);                  \
+        case 2: return max_dot_fixed(sq, s, n, 2, BF16);                  \
+        case 3: return max_dot_fixed(sq, s, n, 3, BF16);                  \
+        case 4: return max_dot_fixed(sq, s, n, 4, BF16);                  \
+        case 5: return max_dot_fixed(sq, s, n, 5, BF16);                  \
+        case 6: return max_dot_fixed(sq, s, n, 6, BF16);                  \
+        case 7: return max_dot_fixed(sq, s, n, 7, BF16);                  \
+        case 8: return max_dot_fixed(sq, s, n, 8, BF16);                  \
+        default: break;                                                   \
+    }
+#endif
+
+static float max_dot(const float *sq, const void *s, int s_bf16, int group, int n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((n & 15) == 0) { /* every head size vLLM serves: 2 * d with d a multiple of 8 */
+        if (s_bf16) {
+            GROUP_CASES(1)
+        } else {
+            GROUP_CASES(0)
+        }
+    }
+#endif
+    float best = -INFINITY;
+    for (int g = 0; g < group; g++) {
+        float acc = 0.f;
+        for (int c = 0; c < n; c++) acc += sq[g * n + c] * value_at(s, s_bf16, c);
+        if (acc > best) best = acc;
+    }
+    return best;
+}
+
 /* query: the layer's query, one row of kv_heads * group * d values per token (float32, or bf16 when
  * query_bf16), rows query_stride elements apart; row p's query is token query_tokens[p]. Read in place:
  * gathering and converting them in torch first cost more than the scoring. */
 int entropic_select_blocks(const void *query, int query_bf16, int64_t query_stride, const int64_t *query_tokens,
-                           const float *summaries, int64_t num_blocks,
+                           const void *summaries, int summaries_bf16, int64_t num_blocks,
                            const int64_t *physical, const float *bias, const int64_t *keep,
                            int rows, int kv_heads, int group, int d, int width, float scale,
                            int32_t *table, int64_t table_stride, const int64_t *table_rows) {
@@ -129,21 +147,22 @@ int entropic_select_blocks(const void *query, int query_bf16, int64_t query_stri
             const char *qrow = (const char *)query + query_tokens[p] * query_stride * (query_bf16 ? 2 : 4);
             for (int g = 0; g < group; g++)
                 for (int c = 0; c < d; c++) {
-                    float v = query_at(qrow, query_bf16, (h * group + g) * d + c);
+                    float v = value_at(qrow, query_bf16, (h * group + g) * d + c);
                     signed_q[g * d2 + c] = v > 0.f ? v : 0.f;
                     signed_q[g * d2 + d + c] = v < 0.f ? v : 0.f;
                 }
-            const float *sh = summaries + (int64_t)h * num_blocks * d2;
+            const int64_t bytes = summaries_bf16 ? 2 : 4, block_bytes = d2 * bytes;
+            const char *sh = (const char *)summaries + (int64_t)h * num_blocks * block_bytes;
             for (int w = 0; w < width; w++) {
                 /* The blocks' summaries lie at scattered physical ids, usually out of cache (the step's
                  * weights streamed through since the last layer): ask for the one PREFETCH blocks
                  * ahead now, so its loads overlap this block's dot products instead of waiting */
                 if (w + PREFETCH < width) {
-                    const char *ahead = (const char *)(sh + phys[w + PREFETCH] * d2);
-                    for (int line = 0; line < d2 * (int)sizeof(float); line += 64) __builtin_prefetch(ahead + line);
+                    const char *ahead = sh + phys[w + PREFETCH] * block_bytes;
+                    for (int line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line);
                 }
                 if (isinf(b[w])) continue; /* forced in or out: no need to score */
-                float acc = max_dot(signed_q, sh + phys[w] * d2, group, d2);
+                float acc = max_dot(signed_q, sh + phys[w] * block_bytes, summaries_bf16, group, d2);
                 if (acc > scores[w]) scores[w] = acc;
             }
         }

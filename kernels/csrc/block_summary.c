@@ -7,6 +7,10 @@
  *   AMX: [block_size / 16, D / 2, 16, 2] (AMX B tiles: 16 tokens, each a 4-byte pair of bf16 channels).
  * The torch path gathers the blocks, converts them to float and reduces (tensor ops that allocate the
  * gathered copy); this reads each key once where it lies. Single-threaded, as block_select.c.
+ *
+ * The summaries are stored in the cache's dtype: the extremes of bf16 keys are bf16 values, so nothing
+ * is rounded, and selection, which reads every kept row's summaries in every layer and step, reads
+ * half the bytes of float32 ones.
  */
 #include <math.h>
 #include <stdint.h>
@@ -92,29 +96,42 @@ DEFINE_VEC(vec_f32, float, f32_at)
 DEFINE_VEC(vec_bf16, uint16_t, bf16_at)
 DEFINE_AMX(amx_bf16, uint16_t, bf16_at)
 
+/* A bf16 value held as a float (every value these kernels compare is one) back to its bits: exact. */
+static void store_bf16(const float *from, uint16_t *to, int n) {
+    for (int i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, from + i, sizeof bits);
+        to[i] = (uint16_t)(bits >> 16);
+    }
+}
+
 /* cache: vLLM's [num_blocks, kv_heads, block_size, 2 * d] tensor (keys first in each block and head);
- * block_stride, head_stride in elements. summaries: [kv_heads, num_blocks, 2 * d] float32.
+ * block_stride, head_stride in elements. summaries: [kv_heads, num_blocks, 2 * d] in the cache's dtype.
  * Returns -1 (nothing written) for a dtype, layout or shape this file does not handle. */
 int entropic_summarize_blocks(const void *cache, int dtype, int layout, int64_t block_stride, int64_t head_stride,
                               int kv_heads, int block_size, int d, const int64_t *block_ids, int64_t count,
-                              float *summaries, int64_t num_blocks) {
+                              void *summaries, int64_t num_blocks) {
     if (d <= 0 || d > MAX_D || d % 2 || block_size <= 0) return -1;
     if (layout == LAYOUT_AMX && (dtype != DTYPE_BF16 || block_size % AMX_TOKENS)) return -1;
     if (layout != LAYOUT_VEC && layout != LAYOUT_AMX) return -1;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return -1;
     for (int64_t n = 0; n < count; n++)
         if (block_ids[n] < 0 || block_ids[n] >= num_blocks) return -1;
+    float both[2 * MAX_D];
     for (int64_t n = 0; n < count; n++) {
         const int64_t b = block_ids[n];
         for (int h = 0; h < kv_heads; h++) {
-            const int64_t offset = b * block_stride + h * head_stride;
-            float *out = summaries + ((int64_t)h * num_blocks + b) * 2 * d;
-            if (dtype == DTYPE_F32)
+            const int64_t offset = b * block_stride + h * head_stride, at = ((int64_t)h * num_blocks + b) * 2 * d;
+            if (dtype == DTYPE_F32) {
+                float *out = (float *)summaries + at;
                 vec_f32((const float *)cache + offset, block_size, d, out, out + d);
-            else if (layout == LAYOUT_VEC)
-                vec_bf16((const uint16_t *)cache + offset, block_size, d, out, out + d);
+                continue;
+            }
+            if (layout == LAYOUT_VEC)
+                vec_bf16((const uint16_t *)cache + offset, block_size, d, both, both + d);
             else
-                amx_bf16((const uint16_t *)cache + offset, block_size, d, out, out + d);
+                amx_bf16((const uint16_t *)cache + offset, block_size, d, both, both + d);
+            store_bf16(both, (uint16_t *)summaries + at, 2 * d);
         }
     }
     return 0;
