@@ -6,11 +6,13 @@ with ``args`` shaped like ``deployments.config.AppConfig``; this command is the 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 from pydantic import ValidationError
@@ -54,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    # The application's modules import vLLM's protocol models: seconds of CPU, spent on a thread of their own
+    # while Ray and Serve start (after Ray's own import: two threads importing it at once fail). Started
+    # before this thread narrows its cores, it keeps all of them.
+    loader = ThreadPoolExecutor(1, thread_name_prefix="import-app")
+    app_module = loader.submit(importlib.import_module, "deployments.app")
+    loader.shutdown(wait=False)
     from workers.model_store import ModelPreparationError, resolve_model
 
     try:
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name="entropic", route_prefix="/")
+        serve.run(app_module.result().build_app(config), name="entropic", route_prefix="/")
         base = f"http://{args.host}:{args.port}"
         print(json.dumps({"ready": base, "openai_base_url": f"{base}/v1", "metrics": f"{base}/metrics",
                           "model": config.model_name, "replicas": config.max_replicas(),

@@ -28,18 +28,21 @@ _LEAVE_GRACE_S = 0.5
 _UNAVAILABLE_QUEUE = 1_000_000
 
 
+def _import_protocol() -> None:
+    """Requests arrive as deployments.protocol's vLLM models. Serve ships the worker class by value, so
+    nothing imported them here yet: unpickling the first request would, seconds of CPU under the first load.
+    Imported while the engine process starts, not before: that one runs on the engine's own cores."""
+    import deployments.protocol  # noqa: F401
+
+
 # Serve marks a replica unhealthy after three failed checks in a row: every 2 s keeps that under 10 s.
 @serve.deployment(name="EntropicWorker", health_check_period_s=2, health_check_timeout_s=30)
 class EntropicWorker:
     def __init__(self, config: dict[str, Any], controller: Any = None) -> None:
         self.config = AppConfig.model_validate(config)
         self._event_loop = asyncio.get_running_loop()
-        # Requests arrive as this module's vLLM models. Serve ships this class by value, so nothing imported
-        # it here yet: unpickling the first request would, ~8 s of CPU under the first load, not at start.
-        import deployments.protocol  # noqa: F401
-
         replica_id = serve.get_replica_context().replica_id.unique_id
-        # Imported here: Serve ships this class by value (see above).
+        # Imported here: Serve ships this class by value (see _import_protocol).
         from deployments.ray_metrics import RayMirror
 
         mirror = RayMirror(replica_id)
@@ -55,7 +58,7 @@ class EntropicWorker:
         self.core = CoreProcess(self.config.replica(), replica_id=replica_id,
                                 node_id=ray.get_runtime_context().get_node_id(),
                                 controller=report if controller is not None else None, on_fatal=self._engine_failed,
-                                preload=("deployments.protocol",))
+                                preload=("deployments.protocol",), while_starting=_import_protocol)
 
     async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None,
                        grant: Grant | None = None) -> AsyncIterator[Delta | RequestError]:

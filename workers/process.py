@@ -40,7 +40,7 @@ from controller.messages import ControllerAnswer, TelemetryReport
 from workers.aio import wait_for
 from workers.config import ReplicaConfig
 from workers.core import ControllerLink, ReplicaCore
-from workers.cpu_cores import RESERVED_CORES, CoreClaim, node_cores, pin_engine_process
+from workers.cpu_cores import RESERVED_CORES, CoreClaim, node_cores, pin_engine_process, pin_this_process
 from workers.engine import Delta, configure_process_env, name_os_thread
 from workers.errors import ReplicaUnavailable, RequestError, RequestFailed
 from workers.step_threads import StepThreads, borrowable_cores
@@ -90,12 +90,15 @@ class CoreProcess(_PipeEnd):
     def __init__(self, config: ReplicaConfig, *, replica_id: str, node_id: str = "",
                  controller: ControllerLink | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 preload: tuple[str, ...] = (), start_timeout_s: float = 3600.0) -> None:
+                 preload: tuple[str, ...] = (), while_starting: Callable[[], Any] | None = None,
+                 start_timeout_s: float = 3600.0) -> None:
         """Blocks until the child's engine is up (compiling can take minutes); raises if it fails to start.
 
         ``preload``: modules the child imports before it says it is ready, those whose classes requests
         arrive as. Unpickling the first request would import them otherwise, seconds of CPU (vLLM's protocol
-        models) under the first load, on every replica at once."""
+        models) under the first load, on every replica at once. ``while_starting``: this process's own
+        start-up work, run once the child is on its way: the child is pinned to the engine's cores, so its
+        imports and engine start run there while this one works on the cores left to the serving path."""
         self.config = config
         self.replica_id = replica_id
         self._controller = controller
@@ -109,6 +112,8 @@ class CoreProcess(_PipeEnd):
                                               preload))
         self._process.start()
         child_conn.close()
+        if while_starting is not None:
+            while_starting()
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._streams: dict[int, asyncio.Queue] = {}
@@ -279,13 +284,19 @@ def _pin(config: ReplicaConfig) -> tuple[CoreClaim | None, StepThreads | None]:
     engine = config.engine
     if not engine.pin_cores:
         return None, None
+    # Pinned before torch is imported: until then this process runs where the replica does, on the serving
+    # path's cores, which the replica's own start-up keeps busy meanwhile (CoreProcess's while_starting).
+    node = node_cores()  # before pinning narrows this process's own affinity
+    claim = pin_engine_process(engine.threads())
     configure_process_env(engine.threads(), engine.kv_cache_space_gib)  # before torch is imported
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # a GPU engine's few host threads float
+        if claim is not None:
+            claim.release()
+        pin_this_process(tuple(sorted(node)))
+        logger.info("engine process %d drives a GPU: floats over cores %s", os.getpid(), sorted(node))
         return None, None
-    node = node_cores()  # before pinning narrows this process's own affinity
-    claim = pin_engine_process(engine.threads())
     if claim is None or not engine.borrow_serving_cores:
         return claim, None
     borrowed = borrowable_cores(node, claim.cores, RESERVED_CORES)
