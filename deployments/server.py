@@ -56,13 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from workers.model_store import ModelPreparationError, resolve_model
+
     # The application's modules import vLLM's protocol models: seconds of CPU, spent on a thread of their own
-    # while Ray and Serve start (after Ray's own import: two threads importing it at once fail). Started
-    # before this thread narrows its cores, it keeps all of them.
+    # while Ray and Serve start, after this thread's own imports (two threads importing one module at once
+    # can fail, as Ray's did). Started before this thread narrows its cores, it keeps all of them.
     loader = ThreadPoolExecutor(1, thread_name_prefix="import-app")
     app_module = loader.submit(importlib.import_module, "deployments.app")
     loader.shutdown(wait=False)
-    from workers.model_store import ModelPreparationError, resolve_model
 
     try:
         resolve_model(config.model)  # fail fast (and convert once) before any replica starts
