@@ -57,7 +57,7 @@ alerts:
 	$(PY) -m monitoring.alerts
 
 # Benchmarks and the paper's ablations (loadtest/): `make <name> ARGS="..."` runs loadtest/<name with _>.py.
-LOADTEST := bench-scheduling bench-routing bench-dispatch bench-remaining bench-pruning bench-embedding bench-core bench-serve bench-prefill profile-serve profile-pruning bench-selectors bench-samplers bench-epic fit-epic-alpha ablation ablation-estimators calibration-stress soak
+LOADTEST := bench-scheduling bench-routing bench-dispatch bench-remaining bench-pruning bench-embedding bench-core bench-serve bench-startup bench-prefill profile-serve profile-pruning bench-selectors bench-samplers bench-epic fit-epic-alpha ablation ablation-estimators calibration-stress soak
 bench: model
 	$(PY) -m loadtest.bench_sampling $(ARGS)
 
