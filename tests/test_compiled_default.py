@@ -2,7 +2,8 @@
 
 The served-app tests pin eager mode (TEST_APP_CONFIG) because compiling costs minutes per engine on
 these machines; this module is where the default itself runs, in process, through the replica core:
-a long prompt decoded on the pruned attention path, and a sampled request under the temperature law.
+a long prompt decoded on the pruned attention path, a sampled request under the temperature law, and a
+second engine process that loads the compiled model the first one saved.
 """
 from __future__ import annotations
 
@@ -13,6 +14,33 @@ import pytest
 from controller.messages import ControllerAnswer
 from loadtest.workload import passkey_prompt
 from workers.config import EngineConfig, ReplicaConfig
+
+# Only the sizes change from the shipped defaults; the mode, dtype choice and control layers do not.
+ENGINE = {"max_model_len": 4096, "max_num_seqs": 4, "kv_cache_space_gib": 1}
+GREEDY = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 16, "temperature": 0}
+
+# A second engine process with the fixture's configuration: whether it loaded the compiled model the first one
+# saved, and what it answers GREEDY
+SECOND_START = """
+import asyncio, json, sys
+from prometheus_client import CollectorRegistry
+from vllm.compilation.counter import compilation_counter
+from deployments.protocol import EntropicChatCompletionRequest
+from workers.config import EngineConfig, ReplicaConfig
+from workers.core import ReplicaCore
+
+engine, greedy = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+core = ReplicaCore(ReplicaConfig(engine=EngineConfig(**engine)), replica_id="second", metrics_registry=CollectorRegistry())
+
+async def run():
+    core.start()
+    deltas = [d async for d in core.generate("chat", EntropicChatCompletionRequest(**greedy))]
+    return [t for d in deltas for t in d.token_ids]
+
+tokens = asyncio.run(run())
+print("RESULT " + json.dumps({"loaded": compilation_counter.num_aot_artifacts_loaded, "tokens": tokens}))
+core.shutdown()
+"""
 
 
 def test_the_shipped_engine_default_is_compiled():
@@ -26,8 +54,7 @@ def core(model_dir):
     from workers.core import ReplicaCore
     from workers.pruning_state import STATE
 
-    # Only the sizes change from the shipped defaults; the mode, dtype choice and control layers do not.
-    config = ReplicaConfig(engine=EngineConfig(max_model_len=4096, max_num_seqs=4, kv_cache_space_gib=1))
+    config = ReplicaConfig(engine=EngineConfig(**ENGINE))
     assert not config.engine.enforce_eager
     reports: list[tuple[int, frozenset, bool]] = []
 
@@ -121,6 +148,30 @@ def test_deltas_carry_the_stop_token_mass_that_ends_the_request(core):
     assert all(p is not None and 0.0 <= p <= 1.0 for p in stops), stops
     # greedy picked EOS at the last step, so EOS had the most mass there; before, another token had more
     assert stops[-1] > 0.2 and stops[-1] > max(stops[:-1]), stops
+
+
+def test_a_second_start_loads_the_compiled_model_the_first_saved(core):
+    """workers/aot_cache.py: an engine started with a configuration an earlier start compiled loads the model
+    that start saved instead of tracing and compiling it again, and answers as the first engine does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    first, = _run(core, [GREEDY])
+    from torch._inductor import config as inductor
+
+    # vLLM keys the saved model by this process's VLLM_* variables (kept as they are) and by inductor's global
+    # config, which torch reads from the environment at its import: vLLM's CPU platform sets
+    # TORCHINDUCTOR_CPP_DYNAMIC_THREADS when an engine starts, after this process had read it, and the second
+    # process must read what this one did (a replica's engine process never inherits the variable)
+    env = {**os.environ, "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1" if inductor.cpp.dynamic_threads else "0"}
+    done = subprocess.run([sys.executable, "-c", SECOND_START, json.dumps(ENGINE), json.dumps(GREEDY)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["loaded"] == 1, "the second start compiled the model again instead of loading it"
+    assert result["tokens"] == [t for d in first for t in d.token_ids]
 
 
 def test_a_stream_whose_event_loop_closed_is_aborted_and_the_engine_goes_on(core):

@@ -41,10 +41,9 @@ def engine_process_env(cpu_threads: int, kv_cache_space_gib: int,
       this process (see the module docstring).
     * ``nobind`` and exactly ``cpu_threads`` OpenMP threads: with vLLM's default thread binding, two
       engines (or an engine and a busy process) on the same cores stalled steps from ~65 ms to over 1 s.
-    * ``VLLM_USE_AOT_COMPILE=0``: on CPU vLLM 0.32 compiles with plain inductor, whose AOT artifact it
-      saves but cannot load again (``'function' object has no attribute 'finalize_loading'``), so every
-      start recompiled from scratch; without AOT, dynamo traces again and inductor's own cache serves
-      the kernels (docs/operations.md, start-up).
+    * ``VLLM_USE_AOT_COMPILE=1`` (vLLM's default, said here because it is ours too): a start with the
+      configuration of an earlier one loads the compiled model that start saved, without tracing it again.
+      On CPU that load needs ``workers.aot_cache``, which the runner installs (docs/operations.md, start-up).
     * ``THP_MEM_ALLOC_ENABLE=1``: torch's CPU allocator aligns allocations of 2 MiB and more to 2 MiB and
       asks for transparent huge pages (``madvise``), which kernels in their default ``madvise`` mode grant
       only when asked: the KV cache vLLM zeroes at start faults in 512x fewer pages, so the engine starts
@@ -56,7 +55,7 @@ def engine_process_env(cpu_threads: int, kv_cache_space_gib: int,
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(cpu_threads),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
-        "VLLM_USE_AOT_COMPILE": "0",
+        "VLLM_USE_AOT_COMPILE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "THP_MEM_ALLOC_ENABLE": "1",
     }
@@ -168,6 +167,7 @@ class EngineRunner:
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.request import RequestStatus
 
+        from workers.aot_cache import load_inductor_artifacts
         from workers.sampling import EntropicLogitsProcessor
 
         processors = [p for p in logits_processors if p is not EntropicLogitsProcessor]
@@ -175,6 +175,7 @@ class EngineRunner:
             given = list(logits_processors)
             processors.insert(given.index(EntropicLogitsProcessor) if EntropicLogitsProcessor in given else 0,
                               EntropicLogitsProcessor)
+        load_inductor_artifacts()  # before vLLM compiles or loads the model
         self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
         processed_logprobs_only_when_asked(model_runner(self.engine).sampler)
         self.step_threads = step_threads
