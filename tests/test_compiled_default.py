@@ -158,9 +158,9 @@ def test_a_second_start_loads_the_compiled_model_the_first_saved(core):
     import subprocess
     import sys
 
-    first, = _run(core, [GREEDY])
     from torch._inductor import config as inductor
 
+    first, = _run(core, [GREEDY])
     # vLLM keys the saved model by this process's VLLM_* variables (kept as they are) and by inductor's global
     # config, which torch reads from the environment at its import: vLLM's CPU platform sets
     # TORCHINDUCTOR_CPP_DYNAMIC_THREADS when an engine starts, after this process had read it, and the second
