@@ -94,19 +94,16 @@ def summarize(cells: list[dict]) -> dict:
 
 
 def render(result: dict) -> str:
-    from loadtest.machine import cpu_text
+    from loadtest.machine import header
 
-    m = result["machine"]
-    lines = ["# Start-up: our server vs `vllm serve`", "", f"Command: `{result['command']}`  ",
-             f"Date: {result['date']}  ",
-             f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, "
-             f"vLLM {m['vllm']}; our dtype for `auto`: {m['cpu_dtype_auto']}", "",
-             "Seconds from the server's process start to its first 200 from `/health`, and to the end of a first "
-             "16-token chat completion sent right after. `cold`: empty compile caches (a fresh machine or pod); "
-             "`warm`: the caches the cold start left (a restart). Ratio: ours / vllm within a round, median "
-             f"[min-max] over {result['rounds']} rounds; below 1 we start sooner.", "",
-             "| pair / caches | healthy: ratio | first answer: ratio | ours healthy, s | vllm healthy, s "
-             "| ours first answer, s | vllm first answer, s |", "|---|---|---|---|---|---|---|"]
+    lines = header(result, "Start-up: our server vs `vllm serve`",
+                   f"our dtype for `auto`: {result['machine']['cpu_dtype_auto']}")
+    lines += ["Seconds from the server's process start to its first 200 from `/health`, and to the end of a first "
+              "16-token chat completion sent right after. `cold`: empty compile caches (a fresh machine or pod); "
+              "`warm`: the caches the cold start left (a restart). Ratio: ours / vllm within a round, median "
+              f"[min-max] over {result['rounds']} rounds; below 1 we start sooner.", "",
+              "| pair / caches | healthy: ratio | first answer: ratio | ours healthy, s | vllm healthy, s "
+              "| ours first answer, s | vllm first answer, s |", "|---|---|---|---|---|---|---|"]
 
     def ratio(values: list[float]) -> str:
         return f"{st.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]" if values else "n/a"
