@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import yaml
 from pydantic import ValidationError
 
+from deployments import serve_env
 from deployments.config import AppConfig
 from deployments.cpu_plan import NodeResources
 from workers.cpu_cores import available_cpus
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, AppConfig]:
 
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
+    serve_env.apply()  # before Ray starts (its processes inherit it) and before this process imports ray.serve
     import ray
     from ray import serve
 

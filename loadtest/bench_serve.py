@@ -310,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ours-config", type=json.loads, default={}, help="our AppConfig fields for our server "
                         "in every pair, as JSON, merged into the pair's (e.g. '{\"engine\": {\"borrow_min_context\": "
                         "12288}}'): a setting of ours against the same `vllm serve`")
+    parser.add_argument("--ours-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment variables for "
+                        "our server in every pair (e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=0: Serve's data plane as Ray "
+                        "ships it, deployments/serve_env.py)")
     args = parser.parse_args(argv)
+    ours_env = dict(item.split("=", 1) for item in args.ours_env)
 
     from kernels.hardware import resolve_dtype
     from loadtest.machine import publish
@@ -331,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
             ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, dtype, shlex.split(args.vllm_args))
             if args.ours_config:
                 ours.config = merged(ours.config or {}, args.ours_config)
+            ours.env.update(ours_env)
             for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
                 key = f"{pair}/{server.label}"
-                servers_seen[key] = server.argv + ([f"(config {json.dumps(server.config)})"] if server.config else [])
+                servers_seen[key] = ([f"{k}={v}" for k, v in server.env.items()] if server is ours else []) + \
+                    server.argv + ([f"(config {json.dumps(server.config)})"] if server.config else [])
                 proc, started = server.start(workdir, workdir / f"{pair}-{server.label}-{r}.log")
                 startup.setdefault(key, []).append(started)
                 try:

@@ -16,8 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deployments import serve_env
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+# What deployments.server gives Serve's processes, so that the session's application runs as `make serve`
+# runs: before any test module imports ray.serve and before the test cluster's nodes start
+serve_env.apply()
 
 TEST_APP_CONFIG = {
     "num_replicas": 2,

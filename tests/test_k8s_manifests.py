@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from deployments import serve_env
 from deployments.config import AppConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +95,13 @@ def test_pod_templates_are_valid_pods_that_leave_probes_to_kuberay_and_name_thei
         # proxy with failureThreshold 1, so a worker whose proxy died leaves the Service at once)
         assert "readinessProbe" not in container and "livenessProbe" not in container
         assert {"serve", "metrics"} <= {p["name"] for p in container["ports"]}
+
+
+@pytest.mark.parametrize("path,doc", RAYSERVICES, ids=[p.parent.name for p, _ in RAYSERVICES])
+def test_every_ray_container_starts_with_the_serve_environment_make_serve_gives(path, doc):
+    for template in _pod_templates(doc):
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0].get("env", [])}
+        assert {name: env.get(name) for name in serve_env.SERVE_ENV} == serve_env.SERVE_ENV
 
 
 @pytest.mark.parametrize("path,doc", RAYSERVICES, ids=[p.parent.name for p, _ in RAYSERVICES])

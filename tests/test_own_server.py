@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deployments import serve_env
 from tests.conftest import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,9 @@ def own_server(tmp_path_factory, model_dir):
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "deployments.server", "--port", str(port), "--config", str(config),
                              "--num-cpus", "2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "RAY_ADDRESS": "local"}, start_new_session=True)
+                            # without what tests/conftest.py set for the session: the server sets it itself
+                            env={**{k: v for k, v in os.environ.items() if k not in serve_env.SERVE_ENV},
+                                 "RAY_ADDRESS": "local"}, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -112,6 +115,16 @@ def test_an_api_key_guards_the_api_but_not_health_or_metrics(own_server):
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
     assert OpenAI(base_url=f"{base}/v1", api_key=KEY).models.list().data[0].id == "SmolLM2-135M-Instruct"
+
+
+def test_serve_runs_ray_s_throughput_mode_but_not_its_direct_ingress(own_server):
+    """deployments.serve_env, as the server sets it (the fixture starts it without those variables): Ray's
+    Serve controller logs which of the mode's settings it runs."""
+    _, _, log = own_server
+    text = log.read_text(errors="replace")
+    assert "Throughput optimized Ray Serve enabled" in text
+    assert "gRPC communication enabled" in text and "User code running in main thread" in text
+    assert "Direct ingress enabled" not in text and "Log to stderr disabled" not in text
 
 
 def test_a_browser_preflight_is_answered_for_allowed_origins_only(own_server):

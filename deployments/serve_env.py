@@ -1,0 +1,35 @@
+"""The environment Ray Serve's processes start with: Ray's throughput-optimized data plane, unless the user says
+otherwise.
+
+``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` is Ray's own switch (Ray 2.55 and later; docs.ray.io, "Enable High
+Throughput on Ray Serve with KubeRay") for a set of settings: deployment handles call replicas over gRPC
+instead of through Ray's object store, user code and the router run on the replica's own event loop instead
+of threads of their own, and request logs are buffered. Every token of a streamed answer crosses two of
+those hops (worker replica to ingress, ingress to proxy), so they set how late a token reaches the client
+after the engine produced it: what this changes is measured in docs/results/ (the serve-relay rows).
+
+The same switch also turns on direct ingress (ingress replicas listen for HTTP themselves, and Serve's
+proxy runs on the head node only), which is meant to sit behind HAProxy (``RAY_SERVE_ENABLE_HA_PROXY``).
+We keep it off: without HAProxy the traffic still comes through the head's proxy, and KubeRay's readiness
+probe on worker pods asks the proxy that direct ingress would remove. And it stops Serve's logs going to
+stderr, where `make serve` shows the replicas' logs (a few lines per request, not per token): kept on.
+
+Ray reads these variables once, when ``ray.serve`` is imported, in every process: the driver, and the
+controller, proxies and replicas, which inherit the environment of the process that starts Ray. So
+``apply`` runs before either. A variable the user set, to any value, is left as it is
+(``RAY_SERVE_THROUGHPUT_OPTIMIZED=0 make serve`` runs Serve's data plane as Ray ships it).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+SERVE_ENV: dict[str, str] = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                             "RAY_SERVE_LOG_TO_STDERR": "1"}
+
+
+def apply(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set each of ``SERVE_ENV`` that ``environ`` lacks; returns the values now in force."""
+    for name, value in SERVE_ENV.items():
+        environ.setdefault(name, value)
+    return {name: environ[name] for name in SERVE_ENV}
