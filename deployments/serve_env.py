@@ -3,12 +3,15 @@ otherwise.
 
 ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` is Ray's own switch (Ray 2.55 and later; docs.ray.io, "Enable High
 Throughput on Ray Serve with KubeRay") for a set of settings: deployment handles call replicas over gRPC
-instead of through Ray's object store, user code and the router run on the replica's own event loop instead
-of threads of their own, and request logs are buffered. Every token of a streamed answer crosses two of
+instead of through Ray's object store, user code runs on the replica's own event loop instead of a thread
+of its own, and request logs are buffered. Every token of a streamed answer crosses two of
 those hops (worker replica to ingress, ingress to proxy), so they set how late a token reaches the client
 after the engine produced it: what this changes is measured in docs/results/ (the serve-relay rows).
 
-The same switch also turns on direct ingress (ingress replicas listen for HTTP themselves, and Serve's
+Three of the switch's settings are turned back. Its router on the caller's event loop makes a handle
+unusable outside one: a plain ``handle.method.remote().result()`` raises, as the server's own drain on
+SIGTERM and any script of a user's would (``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=1`` keeps Serve's router
+thread). It also turns on direct ingress (ingress replicas listen for HTTP themselves, and Serve's
 proxy runs on the head node only), which is meant to sit behind HAProxy (``RAY_SERVE_ENABLE_HA_PROXY``).
 We keep it off: without HAProxy the traffic still comes through the head's proxy, and KubeRay's readiness
 probe on worker pods asks the proxy that direct ingress would remove. And it stops Serve's logs going to
@@ -24,8 +27,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-SERVE_ENV: dict[str, str] = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                             "RAY_SERVE_LOG_TO_STDERR": "1"}
+SERVE_ENV: dict[str, str] = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+                             "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_LOG_TO_STDERR": "1"}
 
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:

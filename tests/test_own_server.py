@@ -125,6 +125,7 @@ def test_serve_runs_ray_s_throughput_mode_but_not_its_direct_ingress(own_server)
     assert "Throughput optimized Ray Serve enabled" in text
     assert "gRPC communication enabled" in text and "User code running in main thread" in text
     assert "Direct ingress enabled" not in text and "Log to stderr disabled" not in text
+    assert "Router running in main thread" not in text
 
 
 def test_a_browser_preflight_is_answered_for_allowed_origins_only(own_server):

@@ -34,6 +34,9 @@ def test_ray_reads_our_environment_as_its_throughput_mode_without_direct_ingress
     shipped = _ray_serve_constants({})
     assert ours["RAY_SERVE_USE_GRPC_BY_DEFAULT"] and not shipped["RAY_SERVE_USE_GRPC_BY_DEFAULT"]
     assert not ours["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] and shipped["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"]
-    assert not ours["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] and shipped["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"]
     assert ours["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"] > shipped["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"]
+    # turned back: handles usable outside an event loop (the server's drain on SIGTERM is such a call:
+    # tests/test_own_server.py), no direct ingress, logs on stderr
+    assert ours["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"]
     assert not ours["RAY_SERVE_ENABLE_DIRECT_INGRESS"] and ours["RAY_SERVE_LOG_TO_STDERR"]
+
