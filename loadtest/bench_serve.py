@@ -24,6 +24,9 @@ Pairs (``--pairs``):
   size costs from what our serving path and layers cost.
 - ``unpinned``: ``matched`` with ``engine.pin_cores: false`` (our engine process floats over every core,
   as before it took a core of its own). Against ``matched`` it shows what pinning gives.
+- ``serve-stock``: ``defaults`` with our server on Serve's data plane as Ray ships it
+  (``RAY_SERVE_THROUGHPUT_OPTIMIZED=0``, deployments/serve_env.py). Against ``defaults`` in the same run it
+  shows what Ray's throughput mode, our default, gives.
 
 Data sets (``--sets``), all ``--ignore-eos`` to a fixed output length: a decode-speed measurement, the
 same number of tokens on both sides (``vllm bench serve`` random data has no natural end anyway):
@@ -200,8 +203,9 @@ def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
     vllm_argv = [sys.executable, "-m", "loadtest.vllm_cli", "serve", model_dir, "--port", "8200",
                  "--served-model-name", model_name, *vllm_args]
     plain = {"VLLM_PLUGINS": ""}  # a user's vLLM has no plugin of ours
-    if pair == "defaults":
-        return Server("ours", ours_argv, 8100), Server("vllm", vllm_argv, 8200, env=plain)
+    if pair in ("defaults", "serve-stock"):
+        stock = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"} if pair == "serve-stock" else {}
+        return Server("ours", ours_argv, 8100, env=stock), Server("vllm", vllm_argv, 8200, env=plain)
     if pair in ("matched", "layers-off", "same-block", "unpinned"):
         engine = {"enforce_eager": False, "dtype": dtype, "max_model_len": 8192, "max_num_seqs": 16,
                   "kv_cache_space_gib": KV_CACHE_GIB, **({"pin_cores": False} if pair == "unpinned" else {})}
@@ -299,7 +303,7 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"],
-                        choices=["defaults", "matched", "layers-off", "same-block", "unpinned"])
+                        choices=["defaults", "matched", "layers-off", "same-block", "unpinned", "serve-stock"])
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")

@@ -21,3 +21,12 @@ def test_ours_config_on_the_defaults_pair_is_the_whole_config():
 def test_no_two_sets_draw_the_same_random_prompts():
     # one server serves every set of a round: a set drawn from another's seed would hit its prefix cache
     assert len({s.seed for s in SETS.values()}) == len(SETS)
+
+
+def test_serve_stock_differs_from_defaults_only_in_rays_throughput_switch():
+    ours, theirs = pair_servers("defaults", "/models/m", "m", "bfloat16")
+    stock, stock_theirs = pair_servers("serve-stock", "/models/m", "m", "bfloat16")
+    assert stock.argv == ours.argv and stock.config == ours.config
+    assert ours.env == {}  # make serve as shipped: serve_env applies Ray's throughput mode itself
+    assert stock.env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    assert stock_theirs == theirs
