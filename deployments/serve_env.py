@@ -6,7 +6,7 @@ Throughput on Ray Serve with KubeRay") for a set of settings: deployment handles
 instead of through Ray's object store, user code runs on the replica's own event loop instead of a thread
 of its own, and request logs are buffered. Every token of a streamed answer crosses two of
 those hops (worker replica to ingress, ingress to proxy), so they set how late a token reaches the client
-after the engine produced it: what this changes is measured in docs/results/ (the serve-relay rows).
+after the engine produced it: what this changes is measured in docs/results/ (the serve-relay and serve-stock rows).
 
 Three of the switch's settings are turned back. Its router on the caller's event loop makes a handle
 unusable outside one: a plain ``handle.method.remote().result()`` raises, as the server's own drain on
