@@ -28,6 +28,10 @@ Pairs (``--pairs``):
   (``RAY_SERVE_THROUGHPUT_OPTIMIZED=0``, deployments/serve_env.py). Against ``defaults`` in the same run it
   shows what Ray's throughput mode, our default, gives.
 
+Where two pairs of a run ran the same ``vllm serve`` (``defaults`` and ``serve-stock``; ``matched``,
+``layers-off`` and ``unpinned``), the report also gives our server in the later pair against ours in the
+earlier one, round by round: two settings of ours compared directly.
+
 Data sets (``--sets``), all ``--ignore-eos`` to a fixed output length: a decode-speed measurement, the
 same number of tokens on both sides (``vllm bench serve`` random data has no natural end anyway):
 - ``short``: random tokens, 256 in / 128 out, 48 requests at concurrency 16.
@@ -254,6 +258,31 @@ def summarize(cells: list[dict]) -> dict:
     return out
 
 
+def between_pairs(result: dict) -> dict[str, dict[str, list[float]]]:
+    """Our server in one pair against our server in an earlier pair of the same run whose ``vllm serve`` ran
+    the same command: per data set and round, ours / ours, for ``RATIO_METRICS``.
+
+    Both of ours ran in the same rounds, so their direct ratio is the comparison of two settings of ours
+    (``serve-stock`` against ``defaults``, ``layers-off`` against ``matched``); the ratio of their two
+    ratios to ``vllm serve`` would add that server's own spread.
+    """
+    pairs = list(dict.fromkeys(c["pair"] for c in result["cells"]))
+    vllm_of = {p: result["servers"].get(f"{p}/vllm") for p in pairs}
+    out: dict[str, dict[str, list[float]]] = {}
+    for i, pair in enumerate(pairs):
+        base = next((b for b in pairs[:i] if vllm_of[b] is not None and vllm_of[b] == vllm_of[pair]), None)
+        if base is None:
+            continue
+        for data in dict.fromkeys(c["set"] for c in result["cells"] if c["pair"] == pair):
+            ours = {(c["pair"], c["round"]): c for c in result["cells"]
+                    if c["server"] == "ours" and c["set"] == data and c["pair"] in (pair, base)}
+            rounds = sorted(r for p, r in ours if p == pair and (base, r) in ours)
+            out[f"{pair}/{data} / {base}/{data}"] = {
+                m: [ours[pair, r][m] / ours[base, r][m] for r in rounds if ours[pair, r].get(m) and
+                    ours[base, r].get(m)] for m in RATIO_METRICS}
+    return out
+
+
 def render(result: dict) -> str:
     from loadtest.machine import cpu_text
 
@@ -277,6 +306,16 @@ def render(result: dict) -> str:
         tps = entry["output_throughput"]
         lines.append(f"| {key} | " + " | ".join(cell(m) for m in RATIO_METRICS)
                      + f" | {', '.join(f'{v:.0f}' for v in tps['ours'])} | {', '.join(f'{v:.0f}' for v in tps['vllm'])} |")
+    between = between_pairs(result)
+    if between:
+        lines += ["", "Our server against our server in an earlier pair that ran the same `vllm serve`, in the same "
+                  "rounds (each round's ours / ours; above 1 the first named is faster for throughput, slower for "
+                  "times):", ""]
+        names = {"output_throughput": "output tok/s", "mean_ttft_ms": "mean TTFT", "mean_tpot_ms": "mean TPOT",
+                 "p99_itl_ms": "p99 ITL"}
+        for key, ratios in between.items():
+            lines.append(f"- {key}: " + "; ".join(
+                f"{names[m]} " + ", ".join(f"{v:.2f}x" for v in ratios[m]) for m in RATIO_METRICS if ratios[m]))
     lines += ["", "Per server, ms (each round): mean TPOT and median ITL. The median gap between tokens is a step "
               "that only decodes; where TPOT is far above it, most of a token's time is spent in steps shared with "
               "other requests' prefill, which decode speed does not shorten.", ""]

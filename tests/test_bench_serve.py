@@ -1,5 +1,5 @@
 """loadtest/bench_serve.py's server configurations (the benchmark itself needs two servers and minutes)."""
-from loadtest.bench_serve import SETS, merged, pair_servers
+from loadtest.bench_serve import SETS, between_pairs, merged, pair_servers
 
 
 def test_ours_config_overrides_one_engine_field_and_keeps_the_pairs_others():
@@ -30,3 +30,25 @@ def test_serve_stock_differs_from_defaults_only_in_rays_throughput_switch():
     assert ours.env == {}  # make serve as shipped: serve_env applies Ray's throughput mode itself
     assert stock.env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
     assert stock_theirs == theirs
+
+
+def test_our_servers_are_compared_only_between_pairs_that_ran_the_same_vllm_serve():
+    def cell(pair, server, r, tps, ttft):
+        return {"pair": pair, "set": "short", "server": server, "round": r, "output_throughput": tps,
+                "mean_ttft_ms": ttft, "mean_tpot_ms": 50.0, "p99_itl_ms": None}
+
+    cells = [cell("defaults", "vllm", 0, 150.0, 900.0), cell("defaults", "ours", 0, 160.0, 800.0),
+             cell("serve-stock", "vllm", 0, 140.0, 950.0), cell("serve-stock", "ours", 0, 176.0, 600.0),
+             cell("defaults", "ours", 1, 100.0, 1000.0), cell("serve-stock", "ours", 1, 110.0, 900.0),
+             cell("matched", "ours", 0, 1.0, 1.0), cell("matched", "vllm", 0, 1.0, 1.0)]
+    same = ["python", "-m", "loadtest.vllm_cli", "serve", "m"]
+    result = {"cells": cells, "servers": {"defaults/vllm": same, "serve-stock/vllm": list(same),
+                                          "matched/vllm": same + ["--dtype", "bfloat16"]}}
+    between = between_pairs(result)
+    # matched ran another vllm serve: its ours is not set against defaults'
+    assert list(between) == ["serve-stock/short / defaults/short"]
+    ratios = between["serve-stock/short / defaults/short"]
+    # ours / ours in each round, whatever vllm did in either pair; a metric a cell lacks gives no ratio
+    assert ratios["output_throughput"] == [1.1, 1.1]
+    assert ratios["mean_ttft_ms"] == [0.75, 0.9]
+    assert ratios["mean_tpot_ms"] == [1.0, 1.0] and ratios["p99_itl_ms"] == []
