@@ -24,11 +24,12 @@ Pairs (``--pairs``):
   size costs from what our serving path and layers cost.
 - ``unpinned``: ``matched`` with ``engine.pin_cores: false`` (our engine process floats over every core,
   as before it took a core of its own). Against ``matched`` it shows what pinning gives.
-- ``serve-stock``: ``defaults`` with our server on Serve's data plane as Ray ships it
-  (``RAY_SERVE_THROUGHPUT_OPTIMIZED=0``, deployments/serve_env.py). Against ``defaults`` in the same run it
-  shows what Ray's throughput mode, our default, gives.
+- ``serve-stock`` and ``serve-throughput``: ``defaults`` with our server on Serve's data plane as Ray ships
+  it (``RAY_SERVE_THROUGHPUT_OPTIMIZED=0``) and in Ray's throughput mode (``=1``; deployments/serve_env.py),
+  named whatever ``make serve``'s default is. Against ``defaults`` or each other in the same run they show
+  what the mode gives.
 
-Where two pairs of a run ran the same ``vllm serve`` (``defaults`` and ``serve-stock``; ``matched``,
+Where two pairs of a run ran the same ``vllm serve`` (``defaults``, ``serve-stock`` and ``serve-throughput``; ``matched``,
 ``layers-off`` and ``unpinned``), the report also gives our server in the later pair against ours in the
 earlier one, round by round: two settings of ours compared directly.
 
@@ -207,9 +208,11 @@ def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
     vllm_argv = [sys.executable, "-m", "loadtest.vllm_cli", "serve", model_dir, "--port", "8200",
                  "--served-model-name", model_name, *vllm_args]
     plain = {"VLLM_PLUGINS": ""}  # a user's vLLM has no plugin of ours
-    if pair in ("defaults", "serve-stock"):
-        stock = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"} if pair == "serve-stock" else {}
-        return Server("ours", ours_argv, 8100, env=stock), Server("vllm", vllm_argv, 8200, env=plain)
+    if pair in ("defaults", "serve-stock", "serve-throughput"):
+        from deployments.serve_env import THROUGHPUT_SWITCH
+
+        switch = {"serve-stock": {THROUGHPUT_SWITCH: "0"}, "serve-throughput": {THROUGHPUT_SWITCH: "1"}}
+        return Server("ours", ours_argv, 8100, env=switch.get(pair, {})), Server("vllm", vllm_argv, 8200, env=plain)
     if pair in ("matched", "layers-off", "same-block", "unpinned"):
         engine = {"enforce_eager": False, "dtype": dtype, "max_model_len": 8192, "max_num_seqs": 16,
                   "kv_cache_space_gib": KV_CACHE_GIB, **({"pin_cores": False} if pair == "unpinned" else {})}
@@ -342,7 +345,8 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"],
-                        choices=["defaults", "matched", "layers-off", "same-block", "unpinned", "serve-stock"])
+                        choices=["defaults", "matched", "layers-off", "same-block", "unpinned", "serve-stock",
+                                 "serve-throughput"])
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
@@ -354,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                         "in every pair, as JSON, merged into the pair's (e.g. '{\"engine\": {\"borrow_min_context\": "
                         "12288}}'): a setting of ours against the same `vllm serve`")
     parser.add_argument("--ours-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment variables for "
-                        "our server in every pair (e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=0: Serve's data plane as Ray "
-                        "ships it, deployments/serve_env.py)")
+                        "our server in every pair (e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Ray's throughput mode, "
+                        "deployments/serve_env.py)")
     args = parser.parse_args(argv)
     ours_env = dict(item.split("=", 1) for item in args.ours_env)
 

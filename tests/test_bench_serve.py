@@ -23,13 +23,13 @@ def test_no_two_sets_draw_the_same_random_prompts():
     assert len({s.seed for s in SETS.values()}) == len(SETS)
 
 
-def test_serve_stock_differs_from_defaults_only_in_rays_throughput_switch():
+def test_the_serve_pairs_differ_from_defaults_only_in_rays_throughput_switch():
     ours, theirs = pair_servers("defaults", "/models/m", "m", "bfloat16")
-    stock, stock_theirs = pair_servers("serve-stock", "/models/m", "m", "bfloat16")
-    assert stock.argv == ours.argv and stock.config == ours.config
-    assert ours.env == {}  # make serve as shipped: serve_env applies Ray's throughput mode itself
-    assert stock.env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
-    assert stock_theirs == theirs
+    assert ours.env == {}  # make serve as shipped: serve_env sets what it sets itself
+    for pair, switch in (("serve-stock", "0"), ("serve-throughput", "1")):
+        other, other_theirs = pair_servers(pair, "/models/m", "m", "bfloat16")
+        assert other.argv == ours.argv and other.config == ours.config and other_theirs == theirs
+        assert other.env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": switch}
 
 
 def test_our_servers_are_compared_only_between_pairs_that_ran_the_same_vllm_serve():

@@ -102,6 +102,7 @@ def test_every_ray_container_starts_with_the_serve_environment_make_serve_gives(
     for template in _pod_templates(doc):
         env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0].get("env", [])}
         assert {name: env.get(name) for name in serve_env.SERVE_ENV} == serve_env.SERVE_ENV
+        assert serve_env.THROUGHPUT_SWITCH not in env  # as make serve: Serve's data plane as Ray ships it
 
 
 @pytest.mark.parametrize("path,doc", RAYSERVICES, ids=[p.parent.name for p, _ in RAYSERVICES])
