@@ -26,8 +26,8 @@ Pairs (``--pairs``):
   as before it took a core of its own). Against ``matched`` it shows what pinning gives.
 - ``serve-stock`` and ``serve-throughput``: ``defaults`` with our server on Serve's data plane as Ray ships
   it (``RAY_SERVE_THROUGHPUT_OPTIMIZED=0``) and in Ray's throughput mode (``=1``; deployments/serve_env.py),
-  named whatever ``make serve``'s default is. Against ``defaults`` or each other in the same run they show
-  what the mode gives.
+  each set explicitly, so they mean the same whatever ``make serve``'s default is. Against ``defaults`` or
+  each other in the same run they show what the mode gives.
 
 Where two pairs of a run ran the same ``vllm serve`` (``defaults``, ``serve-stock`` and ``serve-throughput``; ``matched``,
 ``layers-off`` and ``unpinned``), the report also gives our server in the later pair against ours in the
