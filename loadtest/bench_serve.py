@@ -68,6 +68,8 @@ from pathlib import Path
 METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
            "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms")
 RATIO_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
+RATIO_NAMES = {"output_throughput": "output tok/s", "mean_ttft_ms": "mean TTFT", "mean_tpot_ms": "mean TPOT",
+               "p99_itl_ms": "p99 ITL"}
 
 
 @dataclass(frozen=True)
@@ -299,7 +301,7 @@ def render(result: dict) -> str:
              "for us below 1. All outputs `--ignore-eos` to a fixed length (decode-speed measurement): "
              + ", ".join(f"{SETS[name].output_len} tokens in `{name}`" for name in dict.fromkeys(
                  c["set"] for c in result["cells"])) + ".", "",
-             "| pair / set | output tok/s | mean TTFT | mean TPOT | p99 ITL | ours tok/s | vllm tok/s |",
+             "| pair / set | " + " | ".join(RATIO_NAMES[m] for m in RATIO_METRICS) + " | ours tok/s | vllm tok/s |",
              "|---|---|---|---|---|---|---|"]
     for key, entry in result["summary"].items():
         def cell(metric: str, entry: dict = entry) -> str:
@@ -314,11 +316,9 @@ def render(result: dict) -> str:
         lines += ["", "Our server against our server in an earlier pair that ran the same `vllm serve`, in the same "
                   "rounds (each round's ours / ours; above 1 the first named is faster for throughput, slower for "
                   "times):", ""]
-        names = {"output_throughput": "output tok/s", "mean_ttft_ms": "mean TTFT", "mean_tpot_ms": "mean TPOT",
-                 "p99_itl_ms": "p99 ITL"}
         for key, ratios in between.items():
             lines.append(f"- {key}: " + "; ".join(
-                f"{names[m]} " + ", ".join(f"{v:.2f}x" for v in ratios[m]) for m in RATIO_METRICS if ratios[m]))
+                f"{RATIO_NAMES[m]} " + ", ".join(f"{v:.2f}x" for v in ratios[m]) for m in RATIO_METRICS if ratios[m]))
     lines += ["", "Per server, ms (each round): mean TPOT and median ITL. The median gap between tokens is a step "
               "that only decodes; where TPOT is far above it, most of a token's time is spent in steps shared with "
               "other requests' prefill, which decode speed does not shorten.", ""]
