@@ -67,9 +67,10 @@ from pathlib import Path
 # The metrics every cell reports (vllm bench serve's result keys); higher is better only for throughput.
 METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
            "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms")
-RATIO_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
+# The metrics the report gives as ratios, in its column order, with their column names
 RATIO_NAMES = {"output_throughput": "output tok/s", "mean_ttft_ms": "mean TTFT", "mean_tpot_ms": "mean TPOT",
                "p99_itl_ms": "p99 ITL"}
+RATIO_METRICS = tuple(RATIO_NAMES)
 
 
 @dataclass(frozen=True)
