@@ -33,8 +33,9 @@ Where two pairs of a run ran the same ``vllm serve`` (``defaults``, ``serve-stoc
 ``layers-off`` and ``unpinned``), the report also gives our server in the later pair against ours in the
 earlier one, round by round: two settings of ours compared directly.
 
-Data sets (``--sets``), all ``--ignore-eos`` to a fixed output length: a decode-speed measurement, the
-same number of tokens on both sides (``vllm bench serve`` random data has no natural end anyway):
+Data sets (``--sets``), all but ``natural-eos`` ``--ignore-eos`` to a fixed output length: a decode-speed
+measurement, the same number of tokens on both sides (``vllm bench serve`` random data has no natural end
+anyway):
 - ``short``: random tokens, 256 in / 128 out, 48 requests at concurrency 16.
 - ``long``: random tokens, 3900 in / 128 out, 16 requests at concurrency 8. Mostly prefill: each
   request's 128 tokens share their steps with the next requests' 2048-token prefill chunks.
@@ -43,6 +44,10 @@ same number of tokens on both sides (``vllm bench serve`` random data has no nat
 - ``natural``: ~3900 tokens of English prose (Python's own documentation, ``pydoc_data``, shipped with
   every Python) then an instruction, 128 out, 16 requests at concurrency 8: the pruning law sees the
   entropy of real text instead of random tokens.
+- ``natural-eos``: the same prose in the model's chat template, each output ending where the model ends
+  it (at most 512 tokens): what a user's requests do. The servers may write different amounts, so the
+  report gives each one's mean output length and how many outputs reached the limit, and requests per
+  second beside tokens per second.
 
 Sampling is each server's default for a request that names no temperature (``vllm bench serve`` no
 longer sends one): vLLM's generation defaults there, ours with the entropy temperature law on.
@@ -64,8 +69,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The metrics every cell reports (vllm bench serve's result keys); higher is better only for throughput.
-METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+# The metrics every cell reports (vllm bench serve's result keys); higher is better only for throughputs.
+METRICS = ("output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
            "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms")
 # The metrics the report gives as ratios, in its column order, with their column names
 RATIO_NAMES = {"output_throughput": "output tok/s", "mean_ttft_ms": "mean TTFT", "mean_tpot_ms": "mean TPOT",
@@ -82,6 +87,9 @@ class DataSet:
     # vllm bench serve draws random prompts from its seed alone: two sets of one seed begin with the same
     # tokens, and the second set driven on a server would be served from the first's prefix cache
     seed: int
+    # False: each output ends at the model's end of sequence (its output length an upper bound only), so
+    # the two servers may write different amounts for the same prompts
+    ignore_eos: bool = True
 
     @property
     def output_len(self) -> str:
@@ -98,7 +106,10 @@ SETS = {
                                            "--random-output-len", "512"), 8, 8, 2),
     "natural": DataSet("natural", ("--dataset-name", "custom", "--custom-output-len", "128",
                                    "--skip-chat-template"), 16, 8, 3),
+    "natural-eos": DataSet("natural-eos", ("--dataset-name", "custom", "--custom-output-len", "512"), 16, 8, 4,
+                           ignore_eos=False),
 }
+NATURAL_SETS = ("natural", "natural-eos")
 NATURAL_TOKENS = 3900
 KV_CACHE_GIB = 2  # matched pair: both servers' KV cache (ours: engine.kv_cache_space_gib's default)
 NATURAL_INSTRUCTION = "\n\nSummarize the documentation above in one paragraph."
@@ -190,10 +201,12 @@ def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdi
     argv = [sys.executable, "-m", "loadtest.vllm_cli", "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{server.port}", "--model", model_name, "--tokenizer", model_dir,
             *data.args, "--num-prompts", str(data.num_prompts), "--max-concurrency", str(data.concurrency),
-            "--ignore-eos", "--num-warmups", "2", "--seed", str(data.seed), "--disable-tqdm",
+            # where outputs end at EOS, their lengths (--save-detailed) tell what each server wrote
+            *(("--ignore-eos",) if data.ignore_eos else ("--save-detailed",)), "--num-warmups", "2",
+            "--seed", str(data.seed), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-dir", str(workdir), "--result-filename", out.name]
-    if data.name == "natural":
+    if data.name in NATURAL_SETS:
         argv += ["--dataset-path", str(natural)]
     with (workdir / "client.log").open("ab") as log:
         subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=1800,
@@ -202,7 +215,16 @@ def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdi
     cell = {m: result.get(m) for m in METRICS}
     cell.update(completed=result.get("completed"), failed=result.get("failed", 0),
                 total_output_tokens=result.get("total_output_tokens"))
+    if not data.ignore_eos:
+        cell.update(output_lengths(result.get("output_lens", []), int(data.output_len)))
     return cell
+
+
+def output_lengths(lens: Sequence[int], limit: int) -> dict:
+    """What a set whose outputs end at EOS wrote: mean tokens per output, and how many outputs the length
+    limit cut (failed requests report 0 tokens and are left out)."""
+    done = [n for n in lens if n > 0]
+    return {"mean_output_len": st.mean(done) if done else None, "outputs_at_limit": sum(n >= limit for n in done)}
 
 
 def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
@@ -289,6 +311,16 @@ def between_pairs(result: dict) -> dict[str, dict[str, list[float]]]:
     return out
 
 
+def outputs_text(sets: Sequence[str]) -> str:
+    """How the outputs of a run's sets end, for the report's preamble."""
+    fixed = [f"{SETS[n].output_len} tokens in `{n}`" for n in sets if SETS[n].ignore_eos]
+    ended = [f"at most {SETS[n].output_len} tokens in `{n}`" for n in sets if not SETS[n].ignore_eos]
+    return " ".join(
+        ([f"All outputs `--ignore-eos` to a fixed length (decode-speed measurement): {', '.join(fixed)}."]
+         if fixed and not ended else [f"Outputs `--ignore-eos` to a fixed length: {', '.join(fixed)}."] if fixed
+         else []) + ([f"Outputs ending at the model's end of sequence: {', '.join(ended)}."] if ended else []))
+
+
 def render(result: dict) -> str:
     from loadtest.machine import cpu_text
 
@@ -299,9 +331,7 @@ def render(result: dict) -> str:
              f"vLLM {result['machine']['vllm']}; our dtype for `auto`: {result['machine']['cpu_dtype_auto']}", "",
              "Each cell: ours / vllm per round (servers alternate, one at a time), median [min-max] over "
              f"{result['rounds']} rounds. Throughput: higher is better for us above 1; times: lower is better "
-             "for us below 1. All outputs `--ignore-eos` to a fixed length (decode-speed measurement): "
-             + ", ".join(f"{SETS[name].output_len} tokens in `{name}`" for name in dict.fromkeys(
-                 c["set"] for c in result["cells"])) + ".", "",
+             "for us below 1. " + outputs_text(list(dict.fromkeys(c["set"] for c in result["cells"]))), "",
              "| pair / set | " + " | ".join(RATIO_NAMES[m] for m in RATIO_METRICS) + " | ours tok/s | vllm tok/s |",
              "|---|---|---|---|---|---|---|"]
     for key, entry in result["summary"].items():
@@ -320,6 +350,20 @@ def render(result: dict) -> str:
         for key, ratios in between.items():
             lines.append(f"- {key}: " + "; ".join(
                 f"{RATIO_NAMES[m]} " + ", ".join(f"{v:.2f}x" for v in ratios[m]) for m in RATIO_METRICS if ratios[m]))
+    ended = [key for key in result["summary"] if not SETS[key.split("/", 1)[1]].ignore_eos]
+    if ended:
+        lines += ["", "Sets whose outputs end where the model ends them: per round, ours / vllm in requests per second; "
+                  "each server's mean output length in tokens and its outputs cut by the length limit (of the "
+                  "requests run).", ""]
+    for key in ended:
+        pair, data = key.split("/", 1)
+        rows = {s: [c for c in result["cells"] if c["pair"] == pair and c["set"] == data and c["server"] == s]
+                for s in ("ours", "vllm")}
+        lines.append(f"- {key}: requests/s " + ", ".join(
+            f"{v:.2f}x" for v in result["summary"][key]["request_throughput"]["ratios"]) + "; " + "; ".join(
+            f"{s} " + ", ".join(f"{c['mean_output_len']:.0f} tokens ({c['outputs_at_limit']} of {c['completed']} "
+                                 "at the limit)" for c in cs if c.get("mean_output_len") is not None)
+            for s, cs in rows.items()))
     lines += ["", "Per server, ms (each round): mean TPOT and median ITL. The median gap between tokens is a step "
               "that only decodes; where TPOT is far above it, most of a token's time is spent in steps shared with "
               "other requests' prefill, which decode speed does not shorten.", ""]
@@ -372,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype("auto", False)
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     natural = workdir / "natural.jsonl"
-    if "natural" in args.sets:
-        natural_dataset(natural, model_dir, SETS["natural"].num_prompts + 2)  # + the 2 warm-ups
+    if set(NATURAL_SETS) & set(args.sets):
+        natural_dataset(natural, model_dir, max(SETS[s].num_prompts for s in NATURAL_SETS) + 2)  # + 2 warm-ups
     print(f"logs and raw results: {workdir}", flush=True)
     cells: list[dict] = []
     startup: dict[str, list[float]] = {}

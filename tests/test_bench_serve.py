@@ -1,5 +1,5 @@
 """loadtest/bench_serve.py's server configurations (the benchmark itself needs two servers and minutes)."""
-from loadtest.bench_serve import SETS, between_pairs, merged, pair_servers
+from loadtest.bench_serve import METRICS, SETS, between_pairs, merged, output_lengths, pair_servers, render, summarize
 
 
 def test_ours_config_overrides_one_engine_field_and_keeps_the_pairs_others():
@@ -52,3 +52,31 @@ def test_our_servers_are_compared_only_between_pairs_that_ran_the_same_vllm_serv
     assert ratios["output_throughput"] == [1.1, 1.1]
     assert ratios["mean_ttft_ms"] == [0.75, 0.9]
     assert ratios["mean_tpot_ms"] == [1.0, 1.0] and ratios["p99_itl_ms"] == []
+
+
+def test_a_set_that_ends_at_eos_reports_each_servers_output_length_and_the_outputs_the_limit_cut():
+    data = SETS["natural-eos"]
+    assert not data.ignore_eos and SETS["natural"].ignore_eos
+    limit = int(data.output_len)
+    # a failed request reports 0 tokens: it is no output of the model's length
+    assert output_lengths([100, 300, limit, 0], limit) == {"mean_output_len": (100 + 300 + limit) / 3,
+                                                          "outputs_at_limit": 1}
+    assert output_lengths([0], limit) == {"mean_output_len": None, "outputs_at_limit": 0}
+
+    def cell(server, r, tps, rps, length, cut):
+        return {**dict.fromkeys(METRICS, 50.0), "pair": "defaults", "set": "natural-eos", "server": server,
+                "round": r, "output_throughput": tps, "request_throughput": rps, "completed": 16, "failed": 0,
+                "mean_output_len": length, "outputs_at_limit": cut}
+
+    cells = [cell("vllm", 0, 10.0, 0.1, 100.0, 0), cell("ours", 0, 12.0, 0.2, 60.0, 0),
+             cell("ours", 1, 11.0, 0.3, 40.0, 1), cell("vllm", 1, 10.0, 0.2, 120.0, 2)]
+    result = {"command": "c", "date": "d", "rounds": 2, "cells": cells, "summary": summarize(cells),
+              "startup_s": {}, "servers": {}, "machine": {"cpu": "x", "cpu_flags": "avx2", "cores": 2,
+                                                           "memory_gib": 1, "torch": "t", "vllm": "v",
+                                                           "cpu_dtype_auto": "bfloat16"}}
+    text = render(result)
+    # ours wrote less per request: requests per second tells what tokens per second cannot
+    assert "- defaults/natural-eos: requests/s 2.00x, 1.50x; ours 60 tokens (0 of 16 at the limit), 40 tokens " \
+           "(1 of 16 at the limit); vllm 100 tokens (0 of 16 at the limit), 120 tokens (2 of 16 at the limit)" in text
+    assert f"ending at the model's end of sequence: at most {limit} tokens in `natural-eos`" in text
+    assert "--ignore-eos" not in text.split("\n")[6]
