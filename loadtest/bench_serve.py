@@ -315,10 +315,13 @@ def outputs_text(sets: Sequence[str]) -> str:
     """How the outputs of a run's sets end, for the report's preamble."""
     fixed = [f"{SETS[n].output_len} tokens in `{n}`" for n in sets if SETS[n].ignore_eos]
     ended = [f"at most {SETS[n].output_len} tokens in `{n}`" for n in sets if not SETS[n].ignore_eos]
-    return " ".join(
-        ([f"All outputs `--ignore-eos` to a fixed length (decode-speed measurement): {', '.join(fixed)}."]
-         if fixed and not ended else [f"Outputs `--ignore-eos` to a fixed length: {', '.join(fixed)}."] if fixed
-         else []) + ([f"Outputs ending at the model's end of sequence: {', '.join(ended)}."] if ended else []))
+    parts = []
+    if fixed:
+        parts.append(("Outputs" if ended else "All outputs")
+                     + f" `--ignore-eos` to a fixed length (decode-speed measurement): {', '.join(fixed)}.")
+    if ended:
+        parts.append(f"Outputs ending at the model's end of sequence: {', '.join(ended)}.")
+    return " ".join(parts)
 
 
 def render(result: dict) -> str:

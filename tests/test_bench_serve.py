@@ -79,4 +79,4 @@ def test_a_set_that_ends_at_eos_reports_each_servers_output_length_and_the_outpu
     assert "- defaults/natural-eos: requests/s 2.00x, 1.50x; ours 60 tokens (0 of 16 at the limit), 40 tokens " \
            "(1 of 16 at the limit); vllm 100 tokens (0 of 16 at the limit), 120 tokens (2 of 16 at the limit)" in text
     assert f"ending at the model's end of sequence: at most {limit} tokens in `natural-eos`" in text
-    assert "--ignore-eos" not in text.split("\n")[6]
+    assert "--ignore-eos" not in text  # no set of this run had a fixed length
