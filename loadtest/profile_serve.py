@@ -4,7 +4,9 @@
 
 Each round starts our server and `vllm serve` (the ``matched`` pair of ``loadtest.bench_serve``: same
 dtype, compiled, context, batch and KV cache), one at a time in alternating order, and drives each with
-one data set while sampling, once a second:
+one data set while sampling, once a second. With ``--pairs matched layers-off`` a round also starts our
+server with its control layers off (``layers-off``; `vllm serve` runs once a round, as the two pairs give
+it the same settings): what the layers cost, function by function. Per server and round:
 
 * the CPU time of the thread that runs the model: our replica's engine thread (named ``vllm-engine``, in
   the replica's engine process ``engine-<replica id>``, workers/process.py) or the main thread of vLLM's
@@ -18,7 +20,9 @@ idle CPU is waiting inside its own process (on Python's GIL: until our replica m
 process of its own, Ray Serve's request handling ran in the engine's process), not for a core.
 
 With ``--pyspy-s N`` and ``py-spy`` on PATH (``pip install py-spy``; needs ptrace permission) it also samples
-the model thread's native stacks for N seconds mid-run and counts the samples waiting to take the GIL.
+the model thread's native stacks for N seconds, from the tenth loaded second on, and counts the samples
+waiting to take the GIL. A set that ends sooner leaves part of those seconds idle: ``--num-prompts`` sends
+more of its requests (on a fast host the 48 of ``short`` take ~25 s).
 """
 from __future__ import annotations
 
@@ -32,11 +36,14 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from loadtest.bench_serve import SETS, Server, drive, natural_dataset, pair_servers, stop
+from loadtest.bench_serve import NATURAL_SETS, SETS, DataSet, Server, drive, natural_dataset, pair_servers, stop
 
+PAIRS = ("matched", "layers-off")  # pairs whose `vllm serve` is the same, so one run of it serves them all
 _BUSY = 0.5  # a second in which the model thread used more than this share of a core is "loaded"
+_SPY_AFTER_LOADED_S = 10  # py-spy starts past the client's warm-up and the first admissions, into the steady run
 
 
 def _ticks(path: str) -> int:
@@ -105,12 +112,26 @@ class Sampler:
             self.samples.append((time.monotonic(), _threads(self.pid), _machine()))
             self._stop.wait(1.0)
 
+    def model_shares(self, label: str) -> tuple[int, list[float]]:
+        """The model thread's id and its share of a core in each second sampled so far."""
+        hz = os.sysconf("SC_CLK_TCK")
+        samples = list(self.samples)  # the sampling thread appends meanwhile
+        tid = model_thread(label, self.pid, samples[-1][1])
+        return tid, [(b.get(tid, ("", 0))[1] - a.get(tid, ("", 0))[1]) / hz / (t1 - t0)
+                     for (t0, a, _), (t1, b, _) in zip(samples, samples[1:])]
+
+    def wait_loaded(self, label: str, seconds: int, timeout_s: float = 600.0) -> bool:
+        """Wait until the model thread has been loaded for ``seconds`` seconds; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if len(self.samples) > 1 and sum(s > _BUSY for s in self.model_shares(label)[1]) >= seconds:
+                return True
+            time.sleep(1.0)
+        return False
+
     def summary(self, label: str) -> dict:
         hz = os.sysconf("SC_CLK_TCK")
-        tid = model_thread(label, self.pid, self.samples[-1][1])
-        per_s = []
-        for (t0, a, _), (t1, b, _) in zip(self.samples, self.samples[1:]):
-            per_s.append((b.get(tid, ("", 0))[1] - a.get(tid, ("", 0))[1]) / hz / (t1 - t0))
+        tid, per_s = self.model_shares(label)
         loaded = [i for i, share in enumerate(per_s) if share > _BUSY]
         if not loaded:
             raise RuntimeError(f"{label}: the model thread never used half a core")
@@ -177,36 +198,46 @@ def render(result: dict) -> str:
     from loadtest.machine import cpu_text
 
     m = result["machine"]
+    cells = result["cells"]
+    # results written before --pairs have no pair: their server is ours in pair matched
+    name = [f"ours ({c['pair']})" if c["server"] == "ours" and "pair" in c else c["server"] for c in cells]
+    pairs = sorted({c["pair"] for c in cells if c["server"] == "ours" and "pair" in c}) or ["matched"]
+    prompts = f", {result['num_prompts']} requests" if "num_prompts" in result else ""
     lines = ["# Where the model thread's time goes under `vllm bench serve` load: our server vs `vllm serve`", "",
              f"Command: `{result['command']}`  ", f"Date: {result['date']}  ",
              f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, vLLM {m['vllm']}",
-             "", f"Data set `{result['set']}` (loadtest.bench_serve), pair `matched`. Shares are of one core over the "
+             "", f"Data set `{result['set']}` (loadtest.bench_serve){prompts}, pair{'s' if len(pairs) > 1 else ''} "
+             f"{', '.join(f'`{p}`' for p in pairs)}. Shares are of one core over the "
              "loaded window (the seconds in which the model thread used more than half a core); the model "
              "thread is our replica's engine thread or the main thread of vLLM's `VLLM::Worker` process.", "",
-             "| server | round | output tok/s | model thread | other threads, same process | machine idle | "
-             "steal | GIL wait (py-spy) |", "|---|---|---|---|---|---|---|---|"]
-    for c in result["cells"]:
+             "| server | round | output tok/s | median ITL ms | model thread | other threads, same process | "
+             "machine idle | steal | GIL wait (py-spy) |", "|---|---|---|---|---|---|---|---|---|"]
+    for who, c in zip(name, cells):
         gil = c.get("gil")
         gil_text = "not measured" if gil is None else gil.get("error") or f"{gil['gil_wait_share']:.2f} of {gil['samples']}"
-        lines.append(f"| {c['server']} | {c['round']} | {c['output_throughput']:.1f} | {c['model_thread_core_share']:.2f} "
+        itl = c.get("median_itl_ms")
+        lines.append(f"| {who} | {c['round']} | {c['output_throughput']:.1f} | "
+                     f"{'-' if itl is None else f'{itl:.1f}'} | {c['model_thread_core_share']:.2f} "
                      f"| {c['other_threads_core_share']:.2f} | {c['machine_idle_share']:.2f} | "
                      f"{c['machine_steal_share']:.2f} | {gil_text} |")
-    for server in ("ours", "vllm"):
-        shares = [c["model_thread_core_share"] for c in result["cells"] if c["server"] == server]
-        if shares:
-            lines.append(f"\n{server}: model thread median {st.median(shares):.2f} of a core over {len(shares)} rounds.")
-    for c in result["cells"]:
+    for who in dict.fromkeys(name):
+        shares = [c["model_thread_core_share"] for n, c in zip(name, cells) if n == who]
+        lines.append(f"\n{who}: model thread median {st.median(shares):.2f} of a core over {len(shares)} rounds.")
+    for who, c in zip(name, cells):
         functions = (c.get("gil") or {}).get("functions")
         if functions:
-            lines += ["", f"Python functions of the model thread, {c['server']}, round {c['round']} (share of its "
+            lines += ["", f"Python functions of the model thread, {who}, round {c['round']} (share of its "
                       "py-spy samples in which the function is on the stack):", ""]
-            lines += [f"- {share:.3f} `{name}`" for name, share in functions]
+            lines += [f"- {share:.3f} `{fn}`" for fn, share in functions]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="short", choices=list(SETS))
+    parser.add_argument("--pairs", nargs="+", default=["matched"], choices=PAIRS,
+                        help="our server's settings, each a pair of loadtest.bench_serve (vllm serve runs once a round)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests per run; default: the set's")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pyspy-s", type=int, default=0, help="seconds of native py-spy sampling, 0: none (py-spy "
                         "pauses the process at each sample, so rounds with it say less about CPU shares and speed)")
@@ -219,37 +250,42 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(resolve_model(DEFAULT_MODEL))
     workdir = Path(tempfile.mkdtemp(prefix="profile-serve-"))
+    data = SETS[args.set] if args.num_prompts is None else replace(SETS[args.set], num_prompts=args.num_prompts)
     natural = workdir / "natural.jsonl"
-    if args.set == "natural":
-        natural_dataset(natural, model_dir, SETS["natural"].num_prompts + 2)
+    if args.set in NATURAL_SETS:
+        natural_dataset(natural, model_dir, data.num_prompts + 2)
     print(f"logs and raw results: {workdir}", flush=True)
     cells = []
     for r in range(args.rounds):
-        ours, theirs = pair_servers("matched", model_dir, DEFAULT_MODEL_NAME, resolve_dtype("auto", False))
-        for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
-            cells.append(profile_one(server, r, args, DEFAULT_MODEL_NAME, model_dir, workdir, natural))
+        servers = []
+        for pair in args.pairs:
+            ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, resolve_dtype("auto", False))
+            servers += [(pair, ours)] if servers else [(pair, theirs), (pair, ours)]
+        for pair, server in (servers if r % 2 == 0 else servers[::-1]):
+            cell = profile_one(server, r, args, data, DEFAULT_MODEL_NAME, model_dir, workdir, natural)
+            cells.append({**cell, "pair": pair if server.label == "ours" else "vllm"})
             print(json.dumps(cells[-1]), flush=True)
-    publish("loadtest.profile_serve", argv, args.out, {"set": args.set, "rounds": args.rounds, "cells": cells}, render)
+    publish("loadtest.profile_serve", argv, args.out, {"set": args.set, "num_prompts": data.num_prompts,
+                                                       "rounds": args.rounds, "cells": cells}, render)
     return 0
 
 
-def profile_one(server: Server, r: int, args: argparse.Namespace, model_name: str, model_dir: str, workdir: Path,
-                natural: Path) -> dict:
+def profile_one(server: Server, r: int, args: argparse.Namespace, data: DataSet, model_name: str, model_dir: str,
+                workdir: Path, natural: Path) -> dict:
     proc, _ = server.start(workdir, workdir / f"{server.label}-{r}.log")
     try:
         pid = model_process(server.label)
         gil: list[dict | None] = [None]
-
-        def sample_gil() -> None:
-            time.sleep(40)  # past the client's start-up and warm-up, into the loaded run
-            gil[0] = gil_waits(pid, model_thread(server.label, pid, _threads(pid)), args.pyspy_s)
-
-        spy = threading.Thread(target=sample_gil, daemon=True) if args.pyspy_s > 0 else None
         with Sampler(pid) as sampler:
+
+            def sample_gil() -> None:
+                if sampler.wait_loaded(server.label, _SPY_AFTER_LOADED_S):
+                    gil[0] = gil_waits(pid, model_thread(server.label, pid, _threads(pid)), args.pyspy_s)
+
+            spy = threading.Thread(target=sample_gil, daemon=True) if args.pyspy_s > 0 else None
             if spy is not None:
                 spy.start()
-            cell = drive(server, SETS[args.set], model_name, model_dir, workdir,
-                         f"{args.set}-{server.label}-{r}", natural)
+            cell = drive(server, data, model_name, model_dir, workdir, f"{args.set}-{server.label}-{r}", natural)
             if spy is not None:
                 spy.join()
         cell.update(sampler.summary(server.label), server=server.label, round=r, gil=gil[0])

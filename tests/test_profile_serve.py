@@ -58,3 +58,29 @@ def test_our_model_thread_is_the_first_of_the_threads_named_vllm_engine():
     assert model_thread("ours", 7, threads) == 12
     with pytest.raises(RuntimeError, match="no thread named vllm-engine"):
         model_thread("ours", 7, {7: ("engine-r1", 0)})
+
+
+def test_py_spy_waits_for_the_loaded_seconds_it_asks_for():
+    """The short set ends in ~25 s on a fast host: a fixed delay before py-spy started sampled nothing (a run
+    gave no GIL figure); it now starts once the model thread has been loaded for the seconds asked."""
+    hz = os.sysconf("SC_CLK_TCK")
+    sampler = Sampler(pid=100)
+    sampler.samples += [(float(t), {100: ("VLLM::Worker", hz * max(0, t - 2))}, (0, 0, 0)) for t in range(6)]
+    assert sampler.wait_loaded("vllm", 3, timeout_s=1.0)  # loaded in seconds 2-3, 3-4 and 4-5
+    assert not sampler.wait_loaded("vllm", 4, timeout_s=0.1)
+
+
+def test_the_report_names_our_server_by_its_pair():
+    from loadtest.profile_serve import render
+
+    def cell(server: str, pair: str, tok_s: float) -> dict:
+        return {"server": server, "pair": pair, "round": 0, "output_throughput": tok_s, "median_itl_ms": 40.0,
+                "model_thread_core_share": 0.9, "other_threads_core_share": 0.1, "machine_idle_share": 0.2,
+                "machine_steal_share": 0.0, "gil": None}
+
+    result = {"machine": {"cpu": "test cpu", "flags": [], "cores": 2, "memory_gib": 8, "torch": "t", "vllm": "v"},
+              "command": "python -m loadtest.profile_serve", "date": "today", "set": "short", "num_prompts": 160,
+              "cells": [cell("vllm", "vllm", 280.0), cell("ours", "matched", 285.0), cell("ours", "layers-off", 290.0)]}
+    text = render(result)
+    assert "| ours (matched) | 0 | 285.0 | 40.0 |" in text and "| ours (layers-off) | 0 | 290.0 |" in text
+    assert "| vllm | 0 | 280.0 |" in text and "160 requests, pairs `layers-off`, `matched`" in text
