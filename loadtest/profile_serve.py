@@ -151,10 +151,15 @@ class Sampler:
                 "machine_steal_share": round((m1[2] - m0[2]) / total, 3) if total else None}
 
 
+def pyspy_path() -> str | None:
+    """py-spy on PATH, or beside this Python (``make`` runs the venv's Python without its bin on PATH)."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+
+
 def gil_waits(pid: int, tid: int, seconds: int) -> dict | None:
     """The model thread's native samples (py-spy, if present): the share spent waiting to take the GIL, and
     the Python functions it spent its time in (``functions``)."""
-    pyspy = shutil.which("py-spy")
+    pyspy = pyspy_path()
     if pyspy is None:
         return None
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
@@ -243,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                         "pauses the process at each sample, so rounds with it say less about CPU shares and speed)")
     parser.add_argument("--out", default="docs/results/serve-profile")
     args = parser.parse_args(argv)
+    if args.pyspy_s > 0 and pyspy_path() is None:
+        parser.error("--pyspy-s needs py-spy (pip install py-spy) on PATH or beside this Python")
 
     from kernels.hardware import resolve_dtype
     from loadtest.machine import publish
