@@ -228,6 +228,7 @@ def render(result: dict) -> str:
     for who in dict.fromkeys(name):
         shares = [c["model_thread_core_share"] for n, c in zip(name, cells) if n == who]
         lines.append(f"\n{who}: model thread median {st.median(shares):.2f} of a core over {len(shares)} rounds.")
+    lines += functions_side_by_side(name, cells)
     for who, c in zip(name, cells):
         functions = (c.get("gil") or {}).get("functions")
         if functions:
@@ -235,6 +236,28 @@ def render(result: dict) -> str:
                       "py-spy samples in which the function is on the stack):", ""]
             lines += [f"- {share:.3f} `{fn}`" for fn, share in functions]
     return "\n".join(lines) + "\n"
+
+
+def functions_side_by_side(name: list[str], cells: list[dict], top: int = 30) -> list[str]:
+    """Each server's mean share (over its rounds) of the Python functions on its model thread's stack, in
+    one table: where two servers differ is what one does per step that the other does not. A function
+    missing from a server's list was under the share its list was cut at, or never on its stack."""
+    shares: dict[str, dict[str, list[float]]] = {}
+    for who, c in zip(name, cells):
+        for fn, share in (c.get("gil") or {}).get("functions") or ():
+            shares.setdefault(who, {}).setdefault(fn, []).append(share)
+    if len(shares) < 2:
+        return []
+    servers = list(shares)
+    mean = {who: {fn: sum(v) / len(v) for fn, v in by_fn.items()} for who, by_fn in shares.items()}
+    spread = {fn: max(m.get(fn, 0.0) for m in mean.values()) - min(m.get(fn, 0.0) for m in mean.values())
+              for m in mean.values() for fn in m}
+    ranked = sorted(spread, key=lambda fn: -spread[fn])[:top]
+    return ["", "Python functions of the model thread side by side, the largest differences first (mean share "
+            "of each server's py-spy samples over its rounds; '-' where not in its list):", "",
+            "| function | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers),
+            *[f"| `{fn}` | " + " | ".join(f"{mean[w][fn]:.3f}" if fn in mean[w] else "-" for w in servers) + " |"
+              for fn in ranked]]
 
 
 def main(argv: list[str] | None = None) -> int:

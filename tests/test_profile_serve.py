@@ -84,3 +84,19 @@ def test_the_report_names_our_server_by_its_pair():
     text = render(result)
     assert "| ours (matched) | 0 | 285.0 | 40.0 |" in text and "| ours (layers-off) | 0 | 290.0 |" in text
     assert "| vllm | 0 | 280.0 |" in text and "160 requests, pairs `layers-off`, `matched`" in text
+
+
+def test_functions_side_by_side_rank_the_largest_differences_first():
+    from loadtest.profile_serve import functions_side_by_side
+
+    def cell(functions: list) -> dict:
+        return {"gil": {"samples": 100, "gil_wait_share": 0.0, "functions": functions}}
+
+    name = ["vllm", "ours (matched)", "ours (matched)"]
+    cells = [cell([["forward (models/llama.py)", 0.80]]),
+             cell([["forward (models/llama.py)", 0.76], ["apply (workers/sampling.py)", 0.02]]),
+             cell([["forward (models/llama.py)", 0.78], ["apply (workers/sampling.py)", 0.06]])]
+    lines = functions_side_by_side(name, cells)
+    rows = [line for line in lines if line.startswith("| `")]
+    assert rows == ["| `apply (workers/sampling.py)` | - | 0.040 |", "| `forward (models/llama.py)` | 0.800 | 0.770 |"]
+    assert functions_side_by_side(["vllm"], cells[:1]) == []  # one server: nothing to set beside it
