@@ -170,7 +170,7 @@ def gil_waits(pid: int, tid: int, seconds: int) -> dict | None:
         return stack_summary(Path(out.name).read_text(), tid)
 
 
-def stack_summary(raw: str, tid: int, top: int = 40) -> dict:
+def stack_summary(raw: str, tid: int, top: int = 80) -> dict:
     """From py-spy's raw output (``frame;frame;... count`` per line): the thread ``tid``'s samples, the share
     waiting for the GIL, and the ``top`` Python functions by inclusive share that are not on every sample
     (the thread's own loop is), as ``function (dir/file.py)``."""
@@ -228,17 +228,18 @@ def render(result: dict) -> str:
     for who in dict.fromkeys(name):
         shares = [c["model_thread_core_share"] for n, c in zip(name, cells) if n == who]
         lines.append(f"\n{who}: model thread median {st.median(shares):.2f} of a core over {len(shares)} rounds.")
-    lines += functions_side_by_side(name, cells)
+    side_by_side = functions_side_by_side(name, cells)
+    lines += side_by_side
     for who, c in zip(name, cells):
         functions = (c.get("gil") or {}).get("functions")
-        if functions:
+        if functions and not side_by_side:  # one server's list: the json keeps every list
             lines += ["", f"Python functions of the model thread, {who}, round {c['round']} (share of its "
                       "py-spy samples in which the function is on the stack):", ""]
             lines += [f"- {share:.3f} `{fn}`" for fn, share in functions]
     return "\n".join(lines) + "\n"
 
 
-def functions_side_by_side(name: list[str], cells: list[dict], top: int = 30) -> list[str]:
+def functions_side_by_side(name: list[str], cells: list[dict], top: int = 60) -> list[str]:
     """Each server's mean share (over its rounds) of the Python functions on its model thread's stack, in
     one table: where two servers differ is what one does per step that the other does not. A function
     missing from a server's list was under the share its list was cut at, or never on its stack."""
@@ -250,10 +251,14 @@ def functions_side_by_side(name: list[str], cells: list[dict], top: int = 30) ->
         return []
     servers = list(shares)
     mean = {who: {fn: sum(v) / len(v) for fn, v in by_fn.items()} for who, by_fn in shares.items()}
-    spread = {fn: max(m.get(fn, 0.0) for m in mean.values()) - min(m.get(fn, 0.0) for m in mean.values())
-              for m in mean.values() for fn in m}
-    ranked = sorted(spread, key=lambda fn: -spread[fn])[:top]
-    return ["", "Python functions of the model thread side by side, the largest differences first (mean share "
+    # Differences between shares both measured first; then functions in some lists only (vLLM's process
+    # layout names some frames differently, and a list stops at its top functions), by their largest share
+    everywhere = set.intersection(*(set(m) for m in mean.values()))
+    spread = {fn: max(m[fn] for m in mean.values()) - min(m[fn] for m in mean.values()) for fn in everywhere}
+    rest = {fn: max(m.get(fn, 0.0) for m in mean.values()) for m in mean.values() for fn in m if fn not in everywhere}
+    ranked = (sorted(spread, key=lambda fn: -spread[fn]) + sorted(rest, key=lambda fn: -rest[fn]))[:top]
+    return ["", "Python functions of the model thread side by side: first those in every server's list, the "
+            "largest differences first, then those in some lists only, the largest share first (mean share "
             "of each server's py-spy samples over its rounds; '-' where not in its list):", "",
             "| function | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers),
             *[f"| `{fn}` | " + " | ".join(f"{mean[w][fn]:.3f}" if fn in mean[w] else "-" for w in servers) + " |"
