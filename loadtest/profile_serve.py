@@ -121,9 +121,10 @@ class Sampler:
                      for (t0, a, _), (t1, b, _) in zip(samples, samples[1:])]
 
     def wait_loaded(self, label: str, seconds: int, timeout_s: float = 600.0) -> bool:
-        """Wait until the model thread has been loaded for ``seconds`` seconds; False after ``timeout_s``."""
+        """Wait until the model thread has been loaded for ``seconds`` seconds; False after ``timeout_s`` or
+        once sampling has stopped (the run ended first)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stop.is_set():
             if len(self.samples) > 1 and sum(s > _BUSY for s in self.model_shares(label)[1]) >= seconds:
                 return True
             time.sleep(1.0)
@@ -321,8 +322,8 @@ def profile_one(server: Server, r: int, args: argparse.Namespace, data: DataSet,
             if spy is not None:
                 spy.start()
             cell = drive(server, data, model_name, model_dir, workdir, f"{args.set}-{server.label}-{r}", natural)
-            if spy is not None:
-                spy.join()
+        if spy is not None:  # after sampling stops: a run shorter than the wait ends the wait too
+            spy.join()
         cell.update(sampler.summary(server.label), server=server.label, round=r, gil=gil[0])
         return cell
     finally:

@@ -1,5 +1,6 @@
 """loadtest/profile_serve.py's accounting, on samples whose answer is known (the tool itself needs two servers)."""
 import os
+import time
 
 import pytest
 
@@ -68,6 +69,10 @@ def test_py_spy_waits_for_the_loaded_seconds_it_asks_for():
     sampler.samples += [(float(t), {100: ("VLLM::Worker", hz * max(0, t - 2))}, (0, 0, 0)) for t in range(6)]
     assert sampler.wait_loaded("vllm", 3, timeout_s=1.0)  # loaded in seconds 2-3, 3-4 and 4-5
     assert not sampler.wait_loaded("vllm", 4, timeout_s=0.1)
+    sampler._stop.set()  # the run ended before four loaded seconds: no waiting out the timeout
+    started = time.monotonic()
+    assert not sampler.wait_loaded("vllm", 4, timeout_s=60.0)
+    assert time.monotonic() - started < 5.0
 
 
 def test_the_report_names_our_server_by_its_pair():
