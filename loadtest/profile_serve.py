@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"logs and raw results: {workdir}", flush=True)
     cells = []
     for r in range(args.rounds):
-        servers = []
+        servers: list[tuple[str, Server]] = []
         for pair in args.pairs:
             ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, resolve_dtype("auto", False))
             servers += [(pair, ours)] if servers else [(pair, theirs), (pair, ours)]
