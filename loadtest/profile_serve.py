@@ -256,8 +256,9 @@ def functions_side_by_side(name: list[str], cells: list[dict], top: int = 60) ->
     # layout names some frames differently, and a list stops at its top functions), by their largest share
     everywhere = set.intersection(*(set(m) for m in mean.values()))
     spread = {fn: max(m[fn] for m in mean.values()) - min(m[fn] for m in mean.values()) for fn in everywhere}
-    rest = {fn: max(m.get(fn, 0.0) for m in mean.values()) for m in mean.values() for fn in m if fn not in everywhere}
-    ranked = (sorted(spread, key=lambda fn: -spread[fn]) + sorted(rest, key=lambda fn: -rest[fn]))[:top]
+    rest = {fn: max(m.get(fn, 0.0) for m in mean.values()) for fn in set().union(*mean.values()) - everywhere}
+    # ties by name: sets iterate in a per-process order, and the report must re-render the same from its json
+    ranked = (sorted(spread, key=lambda fn: (-spread[fn], fn)) + sorted(rest, key=lambda fn: (-rest[fn], fn)))[:top]
     return ["", "Python functions of the model thread side by side: first those in every server's list, the "
             "largest differences first, then those in some lists only, the largest share first (mean share "
             "of each server's py-spy samples over its rounds; '-' where not in its list):", "",
@@ -317,6 +318,8 @@ def profile_one(server: Server, r: int, args: argparse.Namespace, data: DataSet,
             def sample_gil() -> None:
                 if sampler.wait_loaded(server.label, _SPY_AFTER_LOADED_S):
                     gil[0] = gil_waits(pid, model_thread(server.label, pid, _threads(pid)), args.pyspy_s)
+                else:  # said in the report, not left as "not measured"
+                    gil[0] = {"error": f"the run ended before {_SPY_AFTER_LOADED_S} loaded seconds; raise --num-prompts"}
 
             spy = threading.Thread(target=sample_gil, daemon=True) if args.pyspy_s > 0 else None
             if spy is not None:
