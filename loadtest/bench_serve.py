@@ -29,9 +29,14 @@ Pairs (``--pairs``):
   each set explicitly, so they mean the same whatever ``make serve``'s default is. Against ``defaults`` or
   each other in the same run they show what the mode gives.
 
-Where two pairs of a run ran the same ``vllm serve`` (``defaults``, ``serve-stock`` and ``serve-throughput``; ``matched``,
-``layers-off`` and ``unpinned``), the report also gives our server in the later pair against ours in the
-earlier one, round by round: two settings of ours compared directly.
+- ``--variant NAME=JSON`` (repeatable): a pair named NAME, ``matched`` with these fields of our AppConfig
+  merged into our server's (e.g. ``no-borrow='{"engine": {"borrow_serving_cores": false}}'``): a setting of
+  ours against another in the same rounds, without a scratch script.
+
+Where two pairs of a run use the same ``vllm serve`` (the same command and environment: ``defaults``,
+``serve-stock`` and ``serve-throughput``; ``matched``, ``layers-off``, ``unpinned`` and every variant), it runs
+once per round and its cells stand for each of those pairs, and the report also gives our server in the
+later pair against ours in the earlier one, round by round: two settings of ours compared directly.
 
 Data sets (``--sets``), all but ``natural-eos`` ``--ignore-eos`` to a fixed output length: a decode-speed
 measurement, the same number of tokens on both sides (``vllm bench serve`` random data has no natural end
@@ -227,6 +232,9 @@ def output_lengths(lens: Sequence[int], limit: int) -> dict:
     return {"mean_output_len": st.mean(done) if done else None, "outputs_at_limit": sum(n >= limit for n in done)}
 
 
+PAIRS = ("defaults", "matched", "layers-off", "same-block", "unpinned", "serve-stock", "serve-throughput")
+
+
 def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
                  vllm_args: Sequence[str] = ()) -> tuple[Server, Server]:
     ours_argv = [sys.executable, "-m", "deployments.server", "--port", "8100"]
@@ -251,6 +259,31 @@ def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
         return (Server("ours", ours_argv, 8100, config=config),
                 Server("vllm", vllm_argv, 8200, env={**plain, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}))
     raise ValueError(pair)
+
+
+def variant_servers(pair: str, variants: dict[str, dict], model_dir: str, model_name: str, dtype: str,
+                    vllm_args: Sequence[str] = ()) -> tuple[Server, Server]:
+    """``pair_servers``, where a pair named in ``variants`` is ``matched`` with those AppConfig fields merged
+    into our server's."""
+    if pair not in variants:
+        return pair_servers(pair, model_dir, model_name, dtype, vllm_args)
+    ours, theirs = pair_servers("matched", model_dir, model_name, dtype, vllm_args)
+    ours.config = merged(ours.config or {}, variants[pair])
+    return ours, theirs
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME=JSON`` (``--variant``) as the pair's name and its AppConfig fields."""
+    name, sep, fields = text.partition("=")
+    if not sep or not name or name in PAIRS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=JSON with a NAME that is not one of {PAIRS}")
+    try:
+        config = json.loads(fields)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{name}: {exc}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{name}: the fields must be a JSON object, got {fields!r}")
+    return name, config
 
 
 def merged(base: dict, extra: dict) -> dict:
@@ -382,7 +415,11 @@ def render(result: dict) -> str:
         lines.append(f"- {key}: " + ", ".join(f"{s:.0f}" for s in starts))
     for note in result.get("excluded", []):
         lines += ["", f"Excluded: {note}"]
-    failed = [c for c in result["cells"] if c.get("failed")]
+    shared = sorted({(c["pair"], c["measured_in"]) for c in result["cells"] if c.get("measured_in")})
+    if shared:
+        lines += ["", "`vllm serve` ran once per round for pairs that give it the same command and environment: "
+                  + "; ".join(f"{p}'s are {first}'s runs" for p, first in shared) + "."]
+    failed = [c for c in result["cells"] if c.get("failed") and not c.get("measured_in")]
     lines += ["", f"Failed requests: {sum(c['failed'] for c in failed)}"
               + (" (" + ", ".join(f"{c['pair']}/{c['set']}/{c['server']} round {c['round']}: {c['failed']}"
                                   for c in failed) + ")" if failed else ""), "",
@@ -392,9 +429,10 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"],
-                        choices=["defaults", "matched", "layers-off", "same-block", "unpinned", "serve-stock",
-                                 "serve-throughput"])
+    parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"], choices=PAIRS)
+    parser.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="NAME=JSON",
+                        help="one more pair, NAME: `matched` with these AppConfig fields of our server merged in "
+                        "(repeatable); runs after --pairs, against the same vllm serve as matched")
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
@@ -422,12 +460,16 @@ def main(argv: list[str] | None = None) -> int:
     if set(NATURAL_SETS) & set(args.sets):
         natural_dataset(natural, model_dir, max(SETS[s].num_prompts for s in NATURAL_SETS) + 2)  # + 2 warm-ups
     print(f"logs and raw results: {workdir}", flush=True)
+    variants = dict(args.variant)
+    pairs = list(dict.fromkeys([*args.pairs, *variants]))
     cells: list[dict] = []
     startup: dict[str, list[float]] = {}
     servers_seen: dict[str, list[str]] = {}
     for r in range(args.rounds):
-        for pair in args.pairs:
-            ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, dtype, shlex.split(args.vllm_args))
+        ran: dict[str, tuple[str, list[dict]]] = {}  # this round's vllm serve runs: command -> (pair, cells)
+        for pair in pairs:
+            ours, theirs = variant_servers(pair, variants, model_dir, DEFAULT_MODEL_NAME, dtype,
+                                           shlex.split(args.vllm_args))
             if args.ours_config:
                 ours.config = merged(ours.config or {}, args.ours_config)
             ours.env.update(ours_env)
@@ -435,17 +477,26 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{pair}/{server.label}"
                 servers_seen[key] = ([f"{k}={v}" for k, v in server.env.items()] if server is ours else []) + \
                     server.argv + ([f"(config {json.dumps(server.config)})"] if server.config else [])
+                command = json.dumps([server.argv, server.env])
+                if server is theirs and command in ran:  # the same vllm serve already ran this round
+                    first, measured = ran[command]
+                    cells += [{**c, "pair": pair, "measured_in": first} for c in measured]
+                    continue
                 proc, started = server.start(workdir, workdir / f"{pair}-{server.label}-{r}.log")
                 startup.setdefault(key, []).append(started)
+                measured = []
                 try:
                     for name in args.sets:
                         cell = drive(server, SETS[name], DEFAULT_MODEL_NAME, model_dir, workdir,
                                      f"{pair}-{name}-{server.label}-{r}", natural)
                         cell.update(pair=pair, set=name, server=server.label, round=r)
-                        cells.append(cell)
+                        measured.append(cell)
                         print(json.dumps(cell), flush=True)
                 finally:
                     stop(proc, server.port)
+                cells += measured
+                if server is theirs:
+                    ran[command] = (pair, measured)
     publish("loadtest.bench_serve", argv, args.out,
             {"rounds": args.rounds, "cells": cells, "startup_s": startup, "servers": servers_seen,
              "summary": summarize(cells)}, render)

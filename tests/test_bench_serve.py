@@ -1,5 +1,20 @@
 """loadtest/bench_serve.py's server configurations (the benchmark itself needs two servers and minutes)."""
-from loadtest.bench_serve import METRICS, SETS, between_pairs, merged, output_lengths, pair_servers, render, summarize
+import argparse
+
+import pytest
+
+from loadtest.bench_serve import (
+    METRICS,
+    SETS,
+    between_pairs,
+    merged,
+    output_lengths,
+    pair_servers,
+    parse_variant,
+    render,
+    summarize,
+    variant_servers,
+)
 
 
 def test_ours_config_overrides_one_engine_field_and_keeps_the_pairs_others():
@@ -80,3 +95,57 @@ def test_a_set_that_ends_at_eos_reports_each_servers_output_length_and_the_outpu
            "(1 of 16 at the limit); vllm 100 tokens (0 of 16 at the limit), 120 tokens (2 of 16 at the limit)" in text
     assert f"ending at the model's end of sequence: at most {limit} tokens in `natural-eos`" in text
     assert "--ignore-eos" not in text  # no set of this run had a fixed length
+
+
+def test_a_variant_is_matched_with_our_fields_merged_against_matched_s_vllm_serve():
+    name, fields = parse_variant('no-borrow={"engine": {"borrow_serving_cores": false}}')
+    assert name == "no-borrow"
+    ours, theirs = variant_servers(name, {name: fields}, "/models/m", "m", "bfloat16")
+    matched_ours, matched_theirs = pair_servers("matched", "/models/m", "m", "bfloat16")
+    assert ours.config == merged(matched_ours.config, fields) and ours.config["engine"]["borrow_serving_cores"] is False
+    assert (theirs.argv, theirs.env) == (matched_theirs.argv, matched_theirs.env)
+    assert variant_servers("defaults", {name: fields}, "/models/m", "m", "bfloat16")[0].config is None
+    for bad in ("matched={}", "x", "x={", "x=[1]", "={}"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant(bad)
+
+
+def test_vllm_serve_runs_once_a_round_for_the_pairs_that_give_it_the_same_command(monkeypatch, tmp_path):
+    """The round loop of main() with its servers and client replaced (named fakes: a real round starts
+    servers for minutes): which servers start, in which order, and which cells each pair gets."""
+    import loadtest.bench_serve as bench
+    import loadtest.machine
+    import workers.model_store
+
+    started: list[str] = []
+    published: dict = {}
+
+    def start(self, workdir, log):
+        started.append(log.name.removesuffix(".log"))
+        return None, 1.0
+
+    def drive(server, data, model_name, model_dir, workdir, tag, natural):
+        return {**dict.fromkeys(METRICS, 1.0), "failed": 1 if server.label == "vllm" else 0,
+                "output_throughput": 100.0 if server.label == "vllm" else 100.0 + len(started)}
+
+    monkeypatch.setattr(bench.Server, "start", start)
+    monkeypatch.setattr(bench, "stop", lambda proc, port: None)
+    monkeypatch.setattr(bench, "drive", drive)
+    monkeypatch.setattr(workers.model_store, "resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr(loadtest.machine, "publish",
+                        lambda module, argv, out, result, render: published.update(result, text=render(
+                            {**result, "command": "c", "date": "d", "machine": {
+                                "cpu": "x", "cpu_flags": "avx2", "cores": 2, "memory_gib": 1, "torch": "t",
+                                "vllm": "v", "cpu_dtype_auto": "bfloat16"}})))
+    assert bench.main(["--pairs", "defaults", "matched", "--sets", "short", "--rounds", "2", "--variant",
+                       'no-borrow={"engine": {"borrow_serving_cores": false}}', "--out", str(tmp_path / "r")]) == 0
+    # the variant reuses matched's vllm serve in each round; the order within each pair alternates by round
+    assert started == ["defaults-vllm-0", "defaults-ours-0", "matched-vllm-0", "matched-ours-0", "no-borrow-ours-0",
+                       "defaults-ours-1", "defaults-vllm-1", "matched-ours-1", "matched-vllm-1", "no-borrow-ours-1"]
+    cells = published["cells"]
+    shared = [c for c in cells if c["pair"] == "no-borrow" and c["server"] == "vllm"]
+    assert [c["measured_in"] for c in shared] == ["matched", "matched"] and [c["round"] for c in shared] == [0, 1]
+    assert published["summary"]["no-borrow/short"]["output_throughput"]["ratios"] == [1.05, 1.1]
+    assert "no-borrow/short / matched/short" in between_pairs(published)
+    assert "no-borrow's are matched's runs" in published["text"]
+    assert "Failed requests: 4 " in published["text"]  # vllm serve's failures counted once per run
