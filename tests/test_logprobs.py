@@ -138,7 +138,7 @@ def test_prompt_logprobs_of_a_prompt_longer_than_a_prefill_chunk(server, client,
     # The same numbers both times, up to the dtype's rounding: the two passes may run on different thread counts
     # and so sum in a different order (the replicas' engines differ in threads, and one whose engine borrows the
     # serving path's cores runs a large prefill step on them only when they are free: workers/step_threads.py).
-    # In float32 that moves a logprob by far less than 1e-3. A bf16 logit is rounded to steps of 0.125 between
+    # Float32 keeps to the 1e-3 this test has always asked. A bf16 logit is rounded to steps of 0.125 between
     # 16 and 32 and of 0.25 between 32 and 64 (this prompt's largest logit: 37.3 in the float32 reference), and a
     # logprob moves with its token's logit and with the normalizer: by two steps of 0.25 at most. Seen between
     # the two replicas: 0.128 in a CI run, 0.036-0.049 here; a position scored against the wrong token is ~10 off
