@@ -129,6 +129,11 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     config: dict | None = None  # our AppConfig fields, written to a file passed with --config
 
+    @property
+    def command(self) -> str:
+        """What makes two servers the same one to run: command line, environment and config."""
+        return json.dumps([self.argv, self.env, self.config])
+
     def start(self, workdir: Path, log: Path) -> tuple[subprocess.Popen, float]:
         argv = list(self.argv)
         if self.config is not None:
@@ -477,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{pair}/{server.label}"
                 servers_seen[key] = ([f"{k}={v}" for k, v in server.env.items()] if server is ours else []) + \
                     server.argv + ([f"(config {json.dumps(server.config)})"] if server.config else [])
-                command = json.dumps([server.argv, server.env])
+                command = server.command
                 if server is theirs and command in ran:  # the same vllm serve already ran this round
                     first, measured = ran[command]
                     cells += [{**c, "pair": pair, "measured_in": first} for c in measured]

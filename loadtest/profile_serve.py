@@ -205,8 +205,11 @@ def render(result: dict) -> str:
 
     m = result["machine"]
     cells = result["cells"]
-    # results written before --pairs have no pair: their server is ours in pair matched
-    name = [f"ours ({c['pair']})" if c["server"] == "ours" and "pair" in c else c["server"] for c in cells]
+    # results written before --pairs have no pair: their server is ours in pair matched; a vllm serve is named
+    # by its pair only where the run had more than one (results written before then name it "vllm")
+    several = len({c.get("pair") for c in cells if c["server"] == "vllm"}) > 1
+    name = [f"{c['server']} ({c['pair']})" if "pair" in c and (c["server"] == "ours" or several) else c["server"]
+            for c in cells]
     pairs = sorted({c["pair"] for c in cells if c["server"] == "ours" and "pair" in c}) or ["matched"]
     prompts = f", {result['num_prompts']} requests" if "num_prompts" in result else ""
     lines = ["# Where the model thread's time goes under `vllm bench serve` load: our server vs `vllm serve`", "",
@@ -297,10 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         servers: list[tuple[str, Server]] = []
         for pair in args.pairs:
             ours, theirs = pair_servers(pair, model_dir, DEFAULT_MODEL_NAME, resolve_dtype("auto", False))
-            servers += [(pair, ours)] if servers else [(pair, theirs), (pair, ours)]
+            # a vllm serve that an earlier pair gives the same command runs once (matched, layers-off)
+            if all(theirs.command != s.command for _, s in servers):
+                servers.append((pair, theirs))
+            servers.append((pair, ours))
         for pair, server in (servers if r % 2 == 0 else servers[::-1]):
             cell = profile_one(server, r, args, data, DEFAULT_MODEL_NAME, model_dir, workdir, natural)
-            cells.append({**cell, "pair": pair if server.label == "ours" else "vllm"})
+            cells.append({**cell, "pair": pair})
             print(json.dumps(cells[-1]), flush=True)
     publish("loadtest.profile_serve", argv, args.out, {"set": args.set, "num_prompts": data.num_prompts,
                                                        "rounds": args.rounds, "cells": cells}, render)

@@ -89,6 +89,15 @@ def test_the_report_names_our_server_by_its_pair():
     text = render(result)
     assert "| ours (matched) | 0 | 285.0 | 40.0 |" in text and "| ours (layers-off) | 0 | 290.0 |" in text
     assert "| vllm | 0 | 280.0 |" in text and "160 requests, pairs `layers-off`, `matched`" in text
+    # one vllm serve per command: matched and layers-off share theirs, defaults runs its own, named by its pair
+    from loadtest.bench_serve import pair_servers
+
+    vllm = {p: pair_servers(p, "/models/m", "m", "bfloat16")[1].command for p in ("matched", "layers-off", "defaults")}
+    assert vllm["matched"] == vllm["layers-off"] != vllm["defaults"]
+    result["cells"] = [cell("vllm", "matched", 280.0), cell("ours", "matched", 285.0),
+                       cell("vllm", "defaults", 270.0), cell("ours", "defaults", 275.0)]
+    text = render(result)
+    assert "| vllm (matched) | 0 | 280.0 |" in text and "| vllm (defaults) | 0 | 270.0 |" in text
 
 
 def test_functions_side_by_side_rank_differences_between_measured_shares_first():
