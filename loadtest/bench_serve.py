@@ -211,8 +211,8 @@ def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdi
     argv = [sys.executable, "-m", "loadtest.vllm_cli", "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{server.port}", "--model", model_name, "--tokenizer", model_dir,
             *data.args, "--num-prompts", str(data.num_prompts), "--max-concurrency", str(data.concurrency),
-            # where outputs end at EOS, their lengths (--save-detailed) tell what each server wrote
-            *(("--ignore-eos",) if data.ignore_eos else ("--save-detailed",)), "--num-warmups", "2",
+            # per request: each gap between tokens (itl_shape) and, where outputs end at EOS, its length
+            *(("--ignore-eos",) if data.ignore_eos else ()), "--save-detailed", "--num-warmups", "2",
             "--seed", str(data.seed), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-dir", str(workdir), "--result-filename", out.name]
@@ -227,7 +227,20 @@ def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdi
                 total_output_tokens=result.get("total_output_tokens"))
     if not data.ignore_eos:
         cell.update(output_lengths(result.get("output_lens", []), int(data.output_len)))
+    cell.update(itl_shape(result.get("itls") or []))
     return cell
+
+
+def itl_shape(itls: Sequence[Sequence[float]]) -> dict:
+    """How evenly each stream's tokens arrive, from every gap between two tokens of one request: the share
+    under half the median gap (a token that came right behind a late one: delivery bunched them) and the
+    share over twice it (a step shared with other requests' prefill, or a late delivery)."""
+    gaps = [g for request in itls for g in request]
+    if not gaps:
+        return {}
+    median = st.median(gaps)
+    return {"itl_under_half_median": sum(g < median / 2 for g in gaps) / len(gaps),
+            "itl_over_twice_median": sum(g > 2 * median for g in gaps) / len(gaps)}
 
 
 def output_lengths(lens: Sequence[int], limit: int) -> dict:
@@ -407,13 +420,21 @@ def render(result: dict) -> str:
             for s, cs in rows.items()))
     lines += ["", "Per server, ms (each round): mean TPOT and median ITL. The median gap between tokens is a step "
               "that only decodes; where TPOT is far above it, most of a token's time is spent in steps shared with "
-              "other requests' prefill, which decode speed does not shorten.", ""]
+              "other requests' prefill, which decode speed does not shorten. Where measured, the share of gaps "
+              "under half the median (tokens delivered bunched behind a late one) and over twice it.", ""]
     for key, entry in result["summary"].items():
+        pair, data = key.split("/", 1)
         for server in ("ours", "vllm"):
             tpot, itl = entry["mean_tpot_ms"][server], entry.get("median_itl_ms", {}).get(server, [])
             if tpot and all(v is not None for v in itl):
+                shapes = [c for c in result["cells"] if c["pair"] == pair and c["set"] == data
+                          and c["server"] == server and "itl_under_half_median" in c]
                 lines.append(f"- {key} {server}: TPOT " + ", ".join(f"{v:.0f}" for v in tpot)
-                             + ("; median ITL " + ", ".join(f"{v:.0f}" for v in itl) if itl else ""))
+                             + ("; median ITL " + ", ".join(f"{v:.0f}" for v in itl) if itl else "")
+                             + ("; gaps under half the median " + ", ".join(
+                                 f"{100 * c['itl_under_half_median']:.1f}%" for c in shapes) + ", over twice it "
+                                + ", ".join(f"{100 * c['itl_over_twice_median']:.1f}%" for c in shapes)
+                                if shapes else ""))
     if result["startup_s"]:
         lines += ["", "Start-up to the first 200 from `/health`, seconds (per round):", ""]
     for key, starts in result["startup_s"].items():

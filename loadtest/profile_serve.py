@@ -62,6 +62,37 @@ def _threads(pid: int) -> dict[int, tuple[str, int]]:
     return out
 
 
+def process_role(comm: str, argv: list[str]) -> str:
+    """What a process is, by its name: Ray's workers title themselves ``ray::<actor>`` (``.<method>`` while a
+    method runs, dropped here), our engine process names itself ``engine-<replica id>``, vLLM's own processes
+    ``VLLM::<what>``; anything else by its program and, for ``python -m``, its module and first argument."""
+    if argv and argv[0].startswith("ray::"):
+        return argv[0].split(".", 1)[0]
+    if comm.startswith("engine-"):
+        return "engine process"
+    if comm.startswith("VLLM::") or (argv and argv[0].startswith("VLLM::")):
+        return argv[0].split()[0] if argv and argv[0].startswith("VLLM::") else comm
+    if "-m" in argv[:-1]:
+        i = argv.index("-m")
+        return " ".join(["python -m", *argv[i + 1:i + 3]])
+    return os.path.basename(argv[0]) if argv else comm
+
+
+def _processes() -> dict[int, tuple[str, int]]:
+    """Every process's role and CPU ticks (utime + stime)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            comm = Path(f"/proc/{entry}/comm").read_text().strip()
+            out[int(entry)] = (process_role(comm, [a for a in argv if a]), _ticks(f"/proc/{entry}/stat"))
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
 def _machine() -> tuple[int, int, int]:
     cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     values = [int(v) for v in cpu]
@@ -96,6 +127,8 @@ class Sampler:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.samples: list[tuple[float, dict[int, tuple[str, int]], tuple[int, int, int]]] = []
+        # every process of the machine, sampled with ``samples`` (same index): where the serving path's CPU goes
+        self.processes: list[dict[int, tuple[str, int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -109,7 +142,9 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            processes = _processes()
             self.samples.append((time.monotonic(), _threads(self.pid), _machine()))
+            self.processes.append(processes)
             self._stop.wait(1.0)
 
     def model_shares(self, label: str) -> tuple[int, list[float]]:
@@ -145,7 +180,14 @@ class Sampler:
                        if keep(t)) / hz
 
         total = m1[0] - m0[0]
+        by_role: dict[str, float] = {}
+        if len(self.processes) > last:
+            before, after = self.processes[first], self.processes[last]
+            for pid, (role, ticks) in after.items():  # a process started in the window counts from 0
+                by_role[role] = by_role.get(role, 0.0) + (ticks - before.get(pid, (role, 0))[1]) / hz / wall
         return {"window_s": round(wall, 1),
+                "process_core_shares": {role: round(v, 3) for role, v in sorted(by_role.items(), key=lambda kv: -kv[1])
+                                        if v >= 0.005},
                 "model_thread_core_share": round(cpu(b, a, lambda t: t == tid) / wall, 3),
                 "other_threads_core_share": round(cpu(b, a, lambda t: t != tid) / wall, 3),
                 "machine_idle_share": round((m1[1] - m0[1]) / total, 3) if total else None,
@@ -219,19 +261,23 @@ def render(result: dict) -> str:
              f"{', '.join(f'`{p}`' for p in pairs)}. Shares are of one core over the "
              "loaded window (the seconds in which the model thread used more than half a core); the model "
              "thread is our replica's engine thread or the main thread of vLLM's `VLLM::Worker` process.", "",
-             "| server | round | output tok/s | median ITL ms | model thread | other threads, same process | "
-             "machine idle | steal | GIL wait (py-spy) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| server | round | output tok/s | median ITL ms | ITL gaps under half / over twice the median | "
+             "model thread | other threads, same process | machine idle | steal | GIL wait (py-spy) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for who, c in zip(name, cells):
         gil = c.get("gil")
         gil_text = "not measured" if gil is None else gil.get("error") or f"{gil['gil_wait_share']:.2f} of {gil['samples']}"
         itl = c.get("median_itl_ms")
+        shape = (f"{100 * c['itl_under_half_median']:.1f}% / {100 * c['itl_over_twice_median']:.1f}%"
+                 if "itl_under_half_median" in c else "-")
         lines.append(f"| {who} | {c['round']} | {c['output_throughput']:.1f} | "
-                     f"{'-' if itl is None else f'{itl:.1f}'} | {c['model_thread_core_share']:.2f} "
+                     f"{'-' if itl is None else f'{itl:.1f}'} | {shape} | {c['model_thread_core_share']:.2f} "
                      f"| {c['other_threads_core_share']:.2f} | {c['machine_idle_share']:.2f} | "
                      f"{c['machine_steal_share']:.2f} | {gil_text} |")
     for who in dict.fromkeys(name):
         shares = [c["model_thread_core_share"] for n, c in zip(name, cells) if n == who]
         lines.append(f"\n{who}: model thread median {st.median(shares):.2f} of a core over {len(shares)} rounds.")
+    lines += processes_side_by_side(name, cells)
     side_by_side = functions_side_by_side(name, cells)
     lines += side_by_side
     for who, c in zip(name, cells):
@@ -241,6 +287,34 @@ def render(result: dict) -> str:
                       "py-spy samples in which the function is on the stack):", ""]
             lines += [f"- {share:.3f} `{fn}`" for fn, share in functions]
     return "\n".join(lines) + "\n"
+
+
+def processes_side_by_side(name: list[str], cells: list[dict]) -> list[str]:
+    """Each process's CPU over the loaded window, per server (median over its rounds): as a share of one core,
+    and in ms per output token (the share over the run's output tokens per second). Processes are named by
+    role (``process_role``); a role under 0.005 of a core in a round counts 0 there."""
+    per: dict[str, list[dict]] = {}
+    for who, c in zip(name, cells):
+        if "process_core_shares" in c:
+            per.setdefault(who, []).append(c)
+    if not per:
+        return []
+    servers = list(per)
+    roles = sorted({r for cs in per.values() for c in cs for r in c["process_core_shares"]})
+
+    def share(who: str, role: str) -> float:
+        return st.median(c["process_core_shares"].get(role, 0.0) for c in per[who])
+
+    def per_token(who: str, role: str) -> float:
+        return st.median(1000 * c["process_core_shares"].get(role, 0.0) / c["output_throughput"] for c in per[who])
+
+    roles.sort(key=lambda r: (-max(share(w, r) for w in servers), r))
+    return ["", "CPU of each process over the loaded window, by role: share of one core, and ms of CPU per output "
+            "token (median over rounds; '-' where a server has no such process, or under 0.005 of a core):", "",
+            "| process | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers),
+            *[f"| `{role}` | " + " | ".join(
+                f"{share(w, role):.3f} ({per_token(w, role):.2f} ms)" if share(w, role) else "-" for w in servers)
+              + " |" for role in roles]]
 
 
 def functions_side_by_side(name: list[str], cells: list[dict], top: int = 60) -> list[str]:

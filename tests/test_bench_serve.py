@@ -97,6 +97,29 @@ def test_a_set_that_ends_at_eos_reports_each_servers_output_length_and_the_outpu
     assert "--ignore-eos" not in text  # no set of this run had a fixed length
 
 
+def test_the_itl_shape_counts_bunched_and_long_gaps_of_every_request():
+    """Two requests' gaps, median 40 ms: a token 15 ms behind the one before it came bunched behind a late one;
+    one 100 ms after it waited over two steps."""
+    from loadtest.bench_serve import itl_shape
+
+    shape = itl_shape([[0.040, 0.040, 0.065, 0.015], [0.040, 0.100, 0.040, 0.040]])
+    assert shape == {"itl_under_half_median": 1 / 8, "itl_over_twice_median": 1 / 8}
+    assert itl_shape([]) == {} and itl_shape([[]]) == {}  # failed requests only: nothing to say
+
+    def cell(server, under):
+        return {**dict.fromkeys(METRICS, 50.0), "pair": "matched", "set": "short", "server": server, "round": 0,
+                "completed": 48, "failed": 0, "itl_under_half_median": under, "itl_over_twice_median": 0.01}
+
+    cells = [cell("vllm", 0.0), cell("ours", 0.045)]
+    result = {"command": "c", "date": "d", "rounds": 1, "cells": cells, "summary": summarize(cells),
+              "startup_s": {}, "servers": {}, "machine": {"cpu": "x", "cpu_flags": "avx2", "cores": 2,
+                                                           "memory_gib": 1, "torch": "t", "vllm": "v",
+                                                           "cpu_dtype_auto": "bfloat16"}}
+    text = render(result)
+    assert "- matched/short ours: TPOT 50; median ITL 50; gaps under half the median 4.5%, over twice it 1.0%" in text
+    assert "- matched/short vllm: TPOT 50; median ITL 50; gaps under half the median 0.0%, over twice it 1.0%" in text
+
+
 def test_a_variant_is_matched_with_our_fields_merged_against_matched_s_vllm_serve():
     name, fields = parse_variant('no-borrow={"engine": {"borrow_serving_cores": false}}')
     assert name == "no-borrow"

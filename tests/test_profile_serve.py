@@ -115,3 +115,57 @@ def test_functions_side_by_side_rank_differences_between_measured_shares_first()
     # measured by both first, however small the difference; then the function only one list has
     assert rows == ["| `forward (models/llama.py)` | 0.800 | 0.770 |", "| `apply (workers/sampling.py)` | - | 0.040 |"]
     assert functions_side_by_side(["vllm"], cells[:1]) == []  # one server: nothing to set beside it
+
+
+def test_processes_are_named_by_role():
+    from loadtest.profile_serve import process_role
+
+    assert process_role("ray::ServeContr", ["ray::ServeController.listen_for_change"]) == "ray::ServeController"
+    assert process_role("ray::ServeRepli", ["ray::ServeReplica:entropic:OpenAIIngress"]) == \
+        "ray::ServeReplica:entropic:OpenAIIngress"
+    assert process_role("engine-abc123", ["/venv/bin/python", "-B", "-c", "from multiprocessing.spawn ..."]) == \
+        "engine process"
+    assert process_role("VLLM::EngineCor", ["VLLM::EngineCore_DP0"]) == "VLLM::EngineCore_DP0"
+    assert process_role("python", ["/venv/bin/python", "-m", "loadtest.vllm_cli", "serve", "/models/m", "--port", "1"]) \
+        == "python -m loadtest.vllm_cli serve"
+    assert process_role("raylet", ["/venv/lib/ray/core/src/ray/raylet/raylet", "--node_ip_address=1"]) == "raylet"
+    assert process_role("kworker/0:1", []) == "kworker/0:1"  # a kernel thread has no command line
+
+
+def test_each_role_gets_its_cpu_over_the_loaded_window_only():
+    """Processes are summed by role over the same window as the model thread: a process that started inside
+    the window counts from zero, one sampled only before it does not count, and CPU outside it is left out."""
+    hz = os.sysconf("SC_CLK_TCK")
+    sampler = Sampler(pid=100)
+    # CPU seconds so far at each of five samples, one second apart; the model thread is loaded from 1 s to 3 s
+    model = [0.0, 0.0, 0.9, 1.8, 1.8]
+    proxy = [0.0, 0.9, 1.1, 1.3, 2.2]  # 0.9 of a core outside the window, 0.2 inside
+    ingress = [None, None, 0.3, 0.6, 0.9]  # started inside the window, 0.3 of a core from its start
+    for i in range(5):
+        processes = {100: ("VLLM::Worker", round(model[i] * hz)), 7: ("ray::ProxyActor", round(proxy[i] * hz))}
+        if ingress[i] is not None:
+            processes[8] = ("ray::ServeReplica:app:Ingress", round(ingress[i] * hz))
+        if i == 0:
+            processes[9] = ("gone", 5 * hz)  # exited before the window
+        sampler.samples.append((float(i), {100: ("VLLM::Worker", round(model[i] * hz))}, (i * 2 * hz, 0, 0)))
+        sampler.processes.append(processes)
+    shares = sampler.summary("vllm")["process_core_shares"]
+    assert shares["VLLM::Worker"] == pytest.approx(0.9, abs=0.01)
+    assert shares["ray::ProxyActor"] == pytest.approx(0.2, abs=0.01)
+    assert shares["ray::ServeReplica:app:Ingress"] == pytest.approx(0.3, abs=0.01)  # 0.6 s of CPU over a 2 s window
+    assert "gone" not in shares
+
+
+def test_the_report_sets_each_process_beside_the_other_servers_per_output_token():
+    from loadtest.profile_serve import processes_side_by_side
+
+    def cell(tok_s: float, shares: dict) -> dict:
+        return {"output_throughput": tok_s, "process_core_shares": shares}
+
+    lines = processes_side_by_side(["ours", "vllm", "ours", "vllm"], [
+        cell(250.0, {"engine process": 0.9, "ray::ProxyActor": 0.1}), cell(200.0, {"VLLM::Worker": 0.8}),
+        cell(250.0, {"engine process": 0.9, "ray::ProxyActor": 0.2}), cell(200.0, {"VLLM::Worker": 0.9})])
+    assert "| process | ours | vllm |" in lines
+    engine, proxy = "| `engine process` | 0.900 (3.60 ms) | - |", "| `ray::ProxyActor` | 0.150 (0.60 ms) | - |"
+    assert "| `VLLM::Worker` | - | 0.850 (4.25 ms) |" in lines
+    assert lines.index(engine) < lines.index(proxy)  # the median of 0.1 and 0.2, below the larger share
