@@ -45,6 +45,9 @@ class AppConfig(ReplicaConfig):
         "(deployments/cpu_plan.py)")
     autoscaling: AutoscalingConfig | None = None
     max_ongoing_requests: int = Field(64, ge=1, description="per worker replica; more wait in Serve's queue")
+    token_channel: bool = Field(True, description="worker replicas send a stream's tokens after its first to the "
+                                "ingress replica over a TCP connection of its own, a step's tokens in one write, "
+                                "instead of each as an item of the Serve call (deployments/token_channel.py)")
     max_queued_requests: int | None = Field(
         None, ge=-1, description="requests waiting in Serve's queue for a worker replica, per ingress replica; "
         "past it, 503 with Retry-After. None: twice the engines' batch slots (2 x engine.max_num_seqs x replicas, "

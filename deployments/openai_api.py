@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -30,6 +31,7 @@ from deployments import protocol as p
 from deployments.config import AppConfig
 from deployments.drain import DrainMiddleware
 from deployments.http_policy import PolicyMiddleware
+from deployments.token_channel import Ticket, TokenSink
 from deployments.tool_calls import ToolCalls
 from workers.aio import wait_for
 from workers.control_params import EPIC_FIELDS
@@ -272,6 +274,8 @@ class OpenAIIngress:
         self.controller_stream = controller.options(stream=True)
         self.config = AppConfig.model_validate(config)
         self.model_name = self.config.model_name
+        # where worker replicas send a stream's tokens after its first (deployments/token_channel.py)
+        self._tokens = TokenSink(ray.util.get_node_ip_address()) if self.config.token_channel else None
         # Imported here: Serve pickles this class by value, and a module-level name would be a copy
         from deployments.http_policy import POLICY
 
@@ -603,19 +607,26 @@ class OpenAIIngress:
         """
         attempt = 0
         while True:
-            stream = self.worker_stream.generate.remote(kind, request, p.overrides(request), grant)
+            ticket = await self._tokens.ticket() if self._tokens is not None else None
+            stream = self.worker_stream.generate.remote(kind, request, p.overrides(request), grant, ticket)
             try:
                 first = await stream.__anext__()
                 if isinstance(first, RequestError):  # deployments.worker yields expected failures
                     raise first
+                if ticket is not None:
+                    assert self._tokens is not None
+                    return first, self._tokens.stream(stream, ticket)
                 return first, stream
             except StopAsyncIteration:
+                self._release(ticket)
                 raise RequestFailed("the engine produced no output") from None
             except RequestMoved as moved:  # the controller bounds how often one request moves
+                self._release(ticket)
                 stream.cancel()
                 grant = Grant(key=moved.key, replica_id=moved.replica_id)
                 continue
             except (ReplicaUnavailable, RayActorError) as exc:
+                self._release(ticket)
                 stream.cancel()
                 if attempt + 1 == _ATTEMPTS:
                     raise ReplicaUnavailable("no replica could take the request; retry shortly") from exc
@@ -625,8 +636,13 @@ class OpenAIIngress:
                 await asyncio.sleep(_RETRY_BACKOFF_S * 2**attempt)
                 attempt += 1
             except BaseException:
+                self._release(ticket)
                 stream.cancel()  # release the call, so the router's in-flight count for that replica drops
                 raise
+
+    def _release(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self._tokens is not None:
+            self._tokens.release(ticket.stream_id)
 
     async def _admit_and_start(self, kind: str, request: Any, own_call_ids: bool = False) -> tuple[Any, Any]:
         if own_call_ids:

@@ -2,8 +2,10 @@
 replica (``workers.process.CoreProcess``: the engine does not share its GIL with Ray and Serve).
 
 The ingress calls ``generate`` through ``handle.options(stream=True)``; each item is a
-``workers.engine.Delta``. Serve calls ``check_health`` and ``record_routing_stats``; the core's
-control loop reports to the controller deployment through this replica, which holds the handle.
+``workers.engine.Delta``, or, after the first, the rest come over the ingress's token channel
+(``deployments.token_channel``) where the call brings a ticket for it. Serve calls ``check_health`` and
+``record_routing_stats``; the core's control loop reports to the controller deployment through this
+replica, which holds the handle.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ray import serve
 
 from controller.messages import ControllerAnswer, Grant, TelemetryReport
 from deployments.config import AppConfig
+from deployments.token_channel import END, ON_CHANNEL, Ticket, TokenLink
 from workers.engine import Delta
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestError, RequestFailed, RequestMoved
 from workers.process import CoreProcess
@@ -41,6 +44,7 @@ class EntropicWorker:
     def __init__(self, config: dict[str, Any], controller: Any = None) -> None:
         self.config = AppConfig.model_validate(config)
         self._event_loop = asyncio.get_running_loop()
+        self._tokens = TokenLink()
         replica_id = serve.get_replica_context().replica_id.unique_id
         # Imported here: Serve ships this class by value (see _import_protocol).
         from deployments.ray_metrics import RayMirror
@@ -61,17 +65,39 @@ class EntropicWorker:
                                 preload=("deployments.protocol",), while_starting=_import_protocol)
 
     async def generate(self, kind: str, request: Any, overrides: dict[str, Any] | None,
-                       grant: Grant | None = None) -> AsyncIterator[Delta | RequestError]:
+                       grant: Grant | None = None, ticket: Ticket | None = None
+                       ) -> AsyncIterator[Delta | RequestError | str]:
         """The request's deltas; an expected failure (the client's mistake, an engine that stopped, one
         request failing inside the engine, the controller moving it elsewhere before it started) is the last
         item, not raised: Serve logs every exception a replica raises with its traceback at ERROR, which a
         client's 400 is not. ``grant``: the controller's dispatch or move of it (deployments.routing sends it
-        to the granted replica; its key names the request in this replica's telemetry)."""
+        to the granted replica; its key names the request in this replica's telemetry). ``ticket``: the
+        ingress's token channel; after the first delta, this yields ``ON_CHANNEL`` and sends the rest and the
+        stream's end there, unless the ingress cannot be reached."""
+        channel, first = None, True
         try:
             async for delta in self.core.generate(kind, request, overrides, grant.key if grant else None):
+                if channel is not None:
+                    assert ticket is not None
+                    channel.send(ticket.stream_id, delta)  # raises once the ingress has gone: aborts the request
+                    continue
                 yield delta
+                if first and ticket is not None and not delta.finished:
+                    channel = await self._tokens.connect(ticket)
+                    if channel is not None:
+                        yield ON_CHANNEL
+                first = False
+            if channel is not None:
+                assert ticket is not None
+                channel.send(ticket.stream_id, END)
         except (InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved) as exc:
-            yield exc
+            if channel is not None:
+                assert ticket is not None
+                channel.send(ticket.stream_id, exc)
+            else:
+                yield exc
+        except ConnectionError:  # the ingress closed the channel: its streams on it have failed there already
+            logger.info("token channel closed; request ended")
 
     async def info(self) -> dict[str, Any]:
         return await self.core.info()
