@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from workers.aio import wait_for
 from workers.errors import ReplicaUnavailable
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,9 @@ def _frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(4, "little") + payload
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+async def _read_frame(reader: asyncio.StreamReader, limit: int = _MAX_FRAME) -> bytes:
     size = int.from_bytes(await reader.readexactly(4), "little")
-    if size > _MAX_FRAME:
+    if size > limit:
         raise ConnectionError(f"a frame of {size} bytes")
     return await reader.readexactly(size)
 
@@ -107,7 +108,7 @@ class TokenSink:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         seen: set[int] = set()
         try:
-            if not hmac.compare_digest(await _read_frame(reader), self.secret):
+            if not hmac.compare_digest(await _read_frame(reader, limit=len(self.secret)), self.secret):
                 logger.warning("a token channel connection without this ingress's secret was closed")
                 return
             while True:
@@ -116,7 +117,7 @@ class TokenSink:
                     if queue is not None:  # None: its client left, or it failed over to another replica
                         seen.add(stream_id)
                         queue.put_nowait(item)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):  # closed, or a first frame too long
             pass
         except Exception:  # a frame that does not unpickle: the streams on it fail below, the ingress goes on
             logger.exception("a token channel frame could not be read; closing that connection")
@@ -245,7 +246,7 @@ class TokenLink:
 
     @staticmethod
     async def _open(ticket: Ticket) -> _Connection:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(ticket.host, ticket.port), CONNECT_TIMEOUT_S)
+        _, writer = await wait_for(asyncio.open_connection(ticket.host, ticket.port), CONNECT_TIMEOUT_S)
         writer.write(_frame(ticket.secret))
         connection = _Connection()
         connection.writer = writer

@@ -91,6 +91,9 @@ def test_a_connection_without_the_secret_is_closed_before_anything_is_unpickled(
         r, w = await asyncio.open_connection(ticket.host, ticket.port)
         w.write(_frame(b"not the secret") + _frame(pickle.dumps([(ticket.stream_id, Boom())])))
         assert await asyncio.wait_for(r.read(), 5) == b""  # the ingress closed it
+        r, w = await asyncio.open_connection(ticket.host, ticket.port)
+        w.write((64 * 2**20).to_bytes(4, "little"))  # a "secret" the ingress would have to buffer 64 MiB of
+        assert await asyncio.wait_for(r.read(), 5) == b""
         assert not reader.done()
         stream.cancel()
         reader.cancel()
