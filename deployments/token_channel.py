@@ -115,8 +115,11 @@ class TokenSink:
                 for stream_id, item in pickle.loads(await _read_frame(reader)):
                     queue = self._queues.get(stream_id)
                     if queue is not None:  # None: its client left, or it failed over to another replica
-                        seen.add(stream_id)
                         queue.put_nowait(item)
+                        if (isinstance(item, str) and item == END) or isinstance(item, Exception):
+                            seen.discard(stream_id)  # its last item
+                        else:
+                            seen.add(stream_id)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):  # closed, or a first frame too long
             pass
         except Exception:  # a frame that does not unpickle: the streams on it fail below, the ingress goes on
