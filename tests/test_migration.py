@@ -6,6 +6,7 @@ An application of its own next to the session's (which dispatches through the co
 nothing waits on a replica): two replicas with one batch slot each, Serve's power-of-two router, and at most
 three requests on a replica at once, so where a burst lands is fixed: with one long generation running on
 replica A, a burst of five short requests puts three on B and two in A's queue behind the long one.
+Its streams go through Serve's handle alone (``token_channel: false``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ CONFIG = {
     "telemetry_period_s": 0.05,
     "max_ongoing_requests": 3,
     "migration": {"enabled": True, "after_s": 0.5},
+    # every token through Serve's handle, as before the token channel: the session's app streams over the
+    # channel (its default), so this keeps the handle-only path running on a real Serve app too
+    "token_channel": False,
 }
 
 
