@@ -607,7 +607,7 @@ class OpenAIIngress:
         """
         attempt = 0
         while True:
-            ticket = await self._tokens.ticket() if self._tokens is not None else None
+            ticket = await self._ticket()
             stream = self.worker_stream.generate.remote(kind, request, p.overrides(request), grant, ticket)
             try:
                 first = await stream.__anext__()
@@ -639,6 +639,16 @@ class OpenAIIngress:
                 self._release(ticket)
                 stream.cancel()  # release the call, so the router's in-flight count for that replica drops
                 raise
+
+    async def _ticket(self) -> Ticket | None:
+        if self._tokens is None:
+            return None
+        try:
+            return await self._tokens.ticket()
+        except OSError:  # cannot listen on this node's address: every stream goes through Serve's handle
+            logger.exception("the token channel could not listen; streaming through Serve's handle instead")
+            self._tokens = None
+            return None
 
     def _release(self, ticket: Ticket | None) -> None:
         if ticket is not None and self._tokens is not None:

@@ -91,11 +91,14 @@ class EntropicWorker:
                 assert ticket is not None
                 channel.send(ticket.stream_id, END)
         except (InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved) as exc:
-            if channel is not None:
-                assert ticket is not None
-                channel.send(ticket.stream_id, exc)
-            else:
+            if channel is None:
                 yield exc
+                return
+            assert ticket is not None
+            try:
+                channel.send(ticket.stream_id, exc)
+            except ConnectionError:
+                logger.info("token channel closed; request ended")
         except ConnectionError:  # the ingress closed the channel: its streams on it have failed there already
             logger.info("token channel closed; request ended")
 
