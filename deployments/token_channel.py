@@ -226,13 +226,14 @@ class TokenLink:
     """Worker side: one connection per ingress replica, opened on its first stream."""
 
     def __init__(self) -> None:
-        self._connections: dict[tuple[str, int], asyncio.Future] = {}
-        self._unreachable: dict[tuple[str, int], float] = {}
+        # by address and secret: an ingress that took over a gone one's port gets a connection of its own
+        self._connections: dict[tuple[str, int, bytes], asyncio.Future] = {}
+        self._unreachable: dict[tuple[str, int, bytes], float] = {}
 
     async def connect(self, ticket: Ticket) -> _Connection | None:
         """The connection to the ticket's ingress, or None where it cannot be reached (then the stream goes
         through Serve)."""
-        key = (ticket.host, ticket.port)
+        key = (ticket.host, ticket.port, ticket.secret)
         if time.monotonic() < self._unreachable.get(key, 0.0):
             return None
         opening = self._connections.get(key)
