@@ -77,15 +77,13 @@ class TokenSink:
         self.secret = secrets.token_bytes(16)
         self._port: int | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._starting: asyncio.Lock | None = None
+        self._starting = asyncio.Lock()
         self._ids = itertools.count()
         self._queues: dict[int, asyncio.Queue] = {}
 
     async def ticket(self) -> Ticket:
         """A stream id with its queue, to pass to the worker with the call (``release`` it if the call fails)."""
         if self._port is None:
-            if self._starting is None:
-                self._starting = asyncio.Lock()
             async with self._starting:
                 if self._port is None:
                     self._server = await asyncio.start_server(self._serve, self.host, 0)

@@ -74,29 +74,26 @@ class EntropicWorker:
         to the granted replica; its key names the request in this replica's telemetry). ``ticket``: the
         ingress's token channel; after the first delta, this yields ``ON_CHANNEL`` and sends the rest and the
         stream's end there, unless the ingress cannot be reached."""
-        channel, first = None, True
+        channel, first, stream_id = None, True, -1
         try:
             async for delta in self.core.generate(kind, request, overrides, grant.key if grant else None):
                 if channel is not None:
-                    assert ticket is not None
-                    channel.send(ticket.stream_id, delta)  # raises once the ingress has gone: aborts the request
+                    channel.send(stream_id, delta)  # raises once the ingress has gone: aborts the request
                     continue
                 yield delta
                 if first and ticket is not None and not delta.finished:
-                    channel = await self._tokens.connect(ticket)
+                    channel, stream_id = await self._tokens.connect(ticket), ticket.stream_id
                     if channel is not None:
                         yield ON_CHANNEL
                 first = False
             if channel is not None:
-                assert ticket is not None
-                channel.send(ticket.stream_id, END)
+                channel.send(stream_id, END)
         except (InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved) as exc:
             if channel is None:
                 yield exc
                 return
-            assert ticket is not None
             try:
-                channel.send(ticket.stream_id, exc)
+                channel.send(stream_id, exc)
             except ConnectionError:
                 logger.info("token channel closed; request ended")
         except ConnectionError:  # the ingress closed the channel: its streams on it have failed there already

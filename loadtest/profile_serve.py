@@ -70,8 +70,10 @@ def process_role(comm: str, argv: list[str]) -> str:
         return argv[0].split(".", 1)[0]
     if comm.startswith("engine-"):
         return "engine process"
-    if comm.startswith("VLLM::") or (argv and argv[0].startswith("VLLM::")):
-        return argv[0].split()[0] if argv and argv[0].startswith("VLLM::") else comm
+    if argv and argv[0].startswith("VLLM::"):
+        return argv[0].split()[0]
+    if comm.startswith("VLLM::"):
+        return comm
     if "-m" in argv[:-1]:
         i = argv.index("-m")
         return " ".join(["python -m", *argv[i + 1:i + 3]])
