@@ -6,6 +6,20 @@ import platform
 import subprocess
 
 
+def cpu_generation(cpuinfo: str) -> str:
+    """The CPU's family and model numbers from /proc/cpuinfo's text: one model name ("AMD EPYC") covers
+    generations whose speed differs by 2x on the same flags (family 25 is Zen 3/4, 26 is Zen 5)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break  # the first processor's block is enough
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"family {fields['cpu family']} model {fields['model']}"
+
+
 def describe() -> dict[str, str | int]:
     cpu = platform.processor() or ""
     try:
@@ -14,6 +28,11 @@ def describe() -> dict[str, str | int]:
                 cpu = line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            generation = cpu_generation(f.read())
+    except OSError:
+        generation = ""
     try:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
@@ -26,7 +45,7 @@ def describe() -> dict[str, str | int]:
     # The flags that choose the engine's dtype and our kernels (kernels.hardware, kernels.cbuild).
     isa = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"})
     dtype = resolve_dtype("auto", False)
-    return {"cpu": cpu, "cpu_flags": " ".join(isa) or "none",
+    return {"cpu": cpu, "cpu_generation": generation or "not recorded", "cpu_flags": " ".join(isa) or "none",
             "cpu_dtype_auto": "the model's dtype (this CPU has native bf16)" if dtype == "auto" else dtype,
             "cores": os.cpu_count() or 0, "memory_gib": mem_gib,
             "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
@@ -63,5 +82,7 @@ def header(result: dict, title: str, engine: str) -> list[str]:
 
 
 def cpu_text(machine: dict) -> str:
-    """The CPU as a result file names it: model and the flags that chose dtype and kernels."""
-    return f"{machine['cpu']} (CPU flags: {machine.get('cpu_flags', 'not recorded')})"
+    """The CPU as a result file names it: model, family and model numbers, and the flags that chose dtype and
+    kernels."""
+    generation = machine.get("cpu_generation", "not recorded")
+    return f"{machine['cpu']}, {generation} (CPU flags: {machine.get('cpu_flags', 'not recorded')})"
