@@ -10,11 +10,19 @@ path (``vllm.v1.metrics.ray_wrappers``) works the same way and names series as t
 
 Our series live in ``prometheus_client`` registries (the engine's child process, the ingress, the
 controller), so ``RayMirror`` copies snapshots of them: a counter by its increase since the last
-snapshot, a gauge by its value, a histogram by observing each bucket's new observations once more at a
-value inside that bucket, so every bucket's count and the count come out as recorded. The sum does not:
-Ray's agent exports a histogram's ``_sum`` rebuilt from its bucket counts and bucket midpoints, for
-vLLM's own Ray path too (Ray issue 64852), so means from ``_sum / _count`` are approximate on this path
-while quantiles and counts are exact.
+snapshot, a gauge by its value, and a histogram as the series Prometheus reads from one: a counter per
+cumulative bucket (``<name>_bucket``, tagged ``le``), a counter of its observations (``<name>_count``) and
+a gauge of its sum (``<name>_sum``; a sum may fall), all exact. Ray exports a counter with ``_total``
+appended (``ray_vllm_e2e_request_latency_seconds_bucket_total``); the scrape configs take that back off.
+
+Not a Ray ``Histogram``: at every export (about every 10 s) Ray's metrics agent turns each histogram's
+bucket counts back into single observations and records them one by one in Python
+(``OpenTelemetryMetricRecorder.record_histogram_aggregated_batch``), so its work grows with the
+observations made, not with the series, and our per-token histograms (entropy, temperature, kept blocks,
+inter-token gaps) make several observations per output token. Under load that work stopped every stream's
+tokens on their way out while it lasted (measured in docs/results/README.md, "Ray's metrics agent"). As
+counters the agent's work is per series. It also makes ``_sum`` exact, which Ray's histograms rebuild from
+bucket midpoints (Ray issue 64852).
 """
 from __future__ import annotations
 
@@ -22,8 +30,10 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from prometheus_client.utils import floatToGoString
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +43,6 @@ MIRROR_PERIOD_S = 1.0
 def ray_metric_name(name: str) -> str:
     """The name Ray's OpenTelemetry exporter accepts (no ':'), as vLLM's Ray stat logger sanitizes it."""
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
-
-
-def bucket_value(uppers: Sequence[float], i: int) -> float:
-    """A value that falls in bucket i (``uppers[i-1] < v <= uppers[i]``; the last upper bound is +inf)."""
-    if math.isfinite(uppers[i]):
-        return uppers[i]
-    lower = uppers[i - 1] if i else 0.0
-    return lower + max(1.0, abs(lower))
 
 
 class RayMirror:
@@ -106,14 +108,22 @@ class RayMirror:
             if values[0] > before[0]:
                 counter.inc(values[0] - before[0], tags=self._tags(name, labels))
             return
-        histogram = self._declare("Histogram", name, family.documentation, labels, boundaries=uppers[:-1])
-        new = [round(now - then) for now, then in zip(_per_bucket(values[:-1]), _per_bucket(before[:-1]))]
-        if not any(new) or min(new) < 0:
+        cumulative, total = values[:-1], values[-1]
+        grown = [round(now - then) for now, then in zip(cumulative, before[:-1])]
+        if min(grown, default=0) < 0:  # counts never fall in one registry; a snapshot where they did is skipped
             return
-        tags = self._tags(name, labels)
-        for i, count in enumerate(new):
-            for _ in range(count):
-                histogram.observe(bucket_value(uppers, i), tags=tags)
+        if any(grown):
+            buckets = self._declare("Counter", f"{name}_bucket", family.documentation, [*labels, "le"])
+            for upper, count in zip(uppers, grown):
+                if count:
+                    buckets.inc(count, tags=self._tags(f"{name}_bucket", {**labels, "le": floatToGoString(upper)}))
+            count = self._declare("Counter", f"{name}_count", family.documentation, labels)
+            count.inc(grown[-1], tags=self._tags(f"{name}_count", labels))  # the +Inf bucket: every observation
+        # Set on every snapshot once there are observations: Ray's agent drops a gauge not reported for a while.
+        # prometheus_client leaves out the sum of a histogram with a negative bucket.
+        if cumulative and cumulative[-1] > 0 and not math.isnan(total):
+            self._declare("Gauge", f"{name}_sum", family.documentation, labels).set(
+                total, tags=self._tags(f"{name}_sum", labels))
 
 
 def _ascii(text: str) -> str:
@@ -135,7 +145,7 @@ def _cumulative(family: Any) -> dict[tuple, tuple[dict[str, str], tuple[float, .
     grouped: dict[tuple, dict[str, Any]] = {}
     for sample in family.samples:
         labels = {k: v for k, v in sample.labels.items() if k != "le"}
-        entry = grouped.setdefault(tuple(sorted(labels.items())), {"labels": labels, "buckets": [], "sum": 0.0})
+        entry = grouped.setdefault(tuple(sorted(labels.items())), {"labels": labels, "buckets": [], "sum": math.nan})
         if sample.name.endswith("_bucket"):
             entry["buckets"].append((float(sample.labels["le"]), sample.value))
         elif sample.name.endswith("_sum"):
@@ -144,10 +154,6 @@ def _cumulative(family: Any) -> dict[tuple, tuple[dict[str, str], tuple[float, .
         buckets = sorted(entry["buckets"])
         out[(family.name, key)] = (entry["labels"], (*(c for _, c in buckets), entry["sum"]), [u for u, _ in buckets])
     return out
-
-
-def _per_bucket(cumulative: Sequence[float]) -> list[float]:
-    return [c - (cumulative[i - 1] if i else 0.0) for i, c in enumerate(cumulative)]
 
 
 def mirror_periodically(collect: Callable[[], Iterable[Any]], source: str,

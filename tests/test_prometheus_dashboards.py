@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import os
 import re
 import shutil
@@ -181,24 +182,84 @@ def test_series_scraped_from_every_node_add_up_to_the_requests_served(prometheus
     replicas = set(re.findall(r'^vllm:num_requests_running\{[^}]*replica="([^"]+)"',
                               httpx.get(f"{server}/metrics", timeout=10).text, re.M))
     live = '{replica=~"' + "|".join(sorted(replicas)) + '"}'
-    # Replicas report their registries about once a second; Ray's agents export every ~10 s.
+    # Replicas report their registries about once a second; Ray's agents export every ~10 s (in one run a
+    # histogram's sum, a gauge, arrived one export after its counts)
+    histogram = "vllm:e2e_request_latency_seconds"
     deadline = time.time() + 90
     while True:
         merged = successes(server)
         scraped = _value(prometheus_ray, f"sum(vllm:request_success_total{live})")
-        if merged == before + sent and scraped == merged or time.time() > deadline:
+        # A histogram through Ray keeps every bucket's count (quantiles), its count and its sum (means)
+        result = httpx.get(f"{prometheus_ray}/api/v1/query", timeout=10,
+                           params={"query": f"sum by (le) ({histogram}_bucket{live})"}).json()
+        histograms = ({"buckets": {float(r["metric"]["le"]): float(r["value"][1]) for r in result["data"]["result"]},
+                       **{part: _value(prometheus_ray, f"sum({histogram}_{part}{live})") for part in ("count", "sum")}},
+                      {"buckets": _merged_buckets(server, f"{histogram}_bucket"),
+                       **{part: _merged_total(server, f"{histogram}_{part}") for part in ("count", "sum")}})
+        if merged == before + sent and scraped == merged and _same(*histograms) or time.time() > deadline:
             break
         time.sleep(2)
     assert merged == before + sent
     assert scraped == merged, (scraped, merged)
     nodes = _value(prometheus_ray, f"count(count by (instance) (vllm:num_requests_running{live}))")
     assert nodes == 2, "the two worker replicas' nodes each export their own series"
-    # A histogram through Ray keeps every bucket's count (quantiles); its _sum Ray rebuilds from bucket
-    # midpoints (deployments/ray_metrics.py), so it is not compared.
-    result = httpx.get(f"{prometheus_ray}/api/v1/query", timeout=10,
-                       params={"query": f"sum by (le) (vllm:e2e_request_latency_seconds_bucket{live})"}).json()
-    scraped_buckets = {float(r["metric"]["le"]): float(r["value"][1]) for r in result["data"]["result"]}
-    assert scraped_buckets == _merged_buckets(server, "vllm:e2e_request_latency_seconds_bucket")
+    assert _same(*histograms), histograms
+
+
+def _same(scraped: dict, merged: dict) -> bool:
+    """The histogram scraped through Ray's agents and on the merged page: buckets and count exactly, the sum
+    as a float through two exporters."""
+    return (scraped["buckets"] == merged["buckets"] and scraped["count"] == merged["count"]
+            and scraped["sum"] is not None and math.isclose(scraped["sum"], merged["sum"], rel_tol=1e-9))
+
+
+def test_a_mirrored_histogram_keeps_buckets_count_and_a_falling_sum_through_ray(prometheus_ray):
+    """deployments.ray_metrics sends a histogram through Ray as counters of its buckets and count and a gauge
+    of its sum, mirrored every second on a Ray actor's event loop as the ingress and controller do: after
+    observations that make its sum fall, Prometheus reads from the agents exactly the registry's buckets,
+    count and sum, under the histogram's own names."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Mirrored:
+        def __init__(self) -> None:
+            from prometheus_client import CollectorRegistry, Histogram
+
+            self.registry = CollectorRegistry()
+            self.histogram = Histogram("entropic_mirror_check", "a histogram mirrored", ["kind"],
+                                       registry=self.registry, buckets=(0.5, 2.0))
+
+        async def observe(self, values: list[float]) -> None:
+            from deployments.ray_metrics import mirror_periodically
+
+            if not hasattr(self, "task"):
+                self.task = mirror_periodically(self.registry.collect, "mirror-check")
+            for value in values:
+                self.histogram.labels(kind="a").observe(value)
+
+    def scraped_when(expected: dict) -> dict:
+        selector = '{replica="mirror-check", kind="a"}'
+        deadline = time.time() + 60  # Ray's agents export every ~10 s
+        while True:
+            result = httpx.get(f"{prometheus_ray}/api/v1/query", timeout=10,
+                               params={"query": f"entropic_mirror_check_bucket{selector}"}).json()
+            scraped = {"bucket": {float(r["metric"]["le"]): float(r["value"][1]) for r in result["data"]["result"]},
+                       "count": _value(prometheus_ray, f"entropic_mirror_check_count{selector}"),
+                       "sum": _value(prometheus_ray, f"entropic_mirror_check_sum{selector}")}
+            if scraped == expected or time.time() > deadline:
+                return scraped
+            time.sleep(2)
+
+    mirrored = Mirrored.remote()
+    try:
+        ray.get(mirrored.observe.remote([0.25, 0.5, 1.0, 3.0]))
+        first = {"bucket": {0.5: 2.0, 2.0: 3.0, math.inf: 4.0}, "count": 4.0, "sum": 4.75}
+        assert scraped_when(first) == first
+        ray.get(mirrored.observe.remote([-4.0, -2.5]))
+        fallen = {"bucket": {0.5: 4.0, 2.0: 5.0, math.inf: 6.0}, "count": 6.0, "sum": -1.75}
+        assert scraped_when(fallen) == fallen
+    finally:
+        ray.kill(mirrored)
 
 
 def test_every_series_of_the_merged_page_reaches_the_ray_path(prometheus_ray, server):
@@ -222,6 +283,11 @@ def test_every_series_of_the_merged_page_reaches_the_ray_path(prometheus_ray, se
             break
         time.sleep(2)
     assert not missing, sorted(missing)
+
+
+def _merged_total(server: str, sample: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines()
+               if line.startswith(sample + "{"))
 
 
 def _merged_buckets(server: str, sample: str) -> dict[float, float]:
