@@ -8,7 +8,7 @@ import subprocess
 
 def cpu_generation(cpuinfo: str) -> str:
     """The CPU's family and model numbers from /proc/cpuinfo's text: one model name ("AMD EPYC") covers
-    generations whose speed differs by 2x on the same flags (family 25 is Zen 3/4, 26 is Zen 5)."""
+    generations that differ in speed on the same flags (family 25 is Zen 3/4, 26 is Zen 5)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
