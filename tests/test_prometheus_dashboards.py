@@ -190,12 +190,7 @@ def test_series_scraped_from_every_node_add_up_to_the_requests_served(prometheus
         merged = successes(server)
         scraped = _value(prometheus_ray, f"sum(vllm:request_success_total{live})")
         # A histogram through Ray keeps every bucket's count (quantiles), its count and its sum (means)
-        result = httpx.get(f"{prometheus_ray}/api/v1/query", timeout=10,
-                           params={"query": f"sum by (le) ({histogram}_bucket{live})"}).json()
-        histograms = ({"buckets": {float(r["metric"]["le"]): float(r["value"][1]) for r in result["data"]["result"]},
-                       **{part: _value(prometheus_ray, f"sum({histogram}_{part}{live})") for part in ("count", "sum")}},
-                      {"buckets": _merged_buckets(server, f"{histogram}_bucket"),
-                       **{part: _merged_total(server, f"{histogram}_{part}") for part in ("count", "sum")}})
+        histograms = (_ray_histogram(prometheus_ray, histogram, live), _merged_histogram(server, histogram))
         if merged == before + sent and scraped == merged and _same(*histograms) or time.time() > deadline:
             break
         time.sleep(2)
@@ -204,6 +199,28 @@ def test_series_scraped_from_every_node_add_up_to_the_requests_served(prometheus
     nodes = _value(prometheus_ray, f"count(count by (instance) (vllm:num_requests_running{live}))")
     assert nodes == 2, "the two worker replicas' nodes each export their own series"
     assert _same(*histograms), histograms
+
+
+def _ray_histogram(prometheus: str, name: str, selector: str) -> dict:
+    """A histogram as Prometheus reads it from Ray's agents, summed over the series ``selector`` picks."""
+    result = httpx.get(f"{prometheus}/api/v1/query", timeout=10,
+                       params={"query": f"sum by (le) ({name}_bucket{selector})"}).json()
+    return {"buckets": {float(r["metric"]["le"]): float(r["value"][1]) for r in result["data"]["result"]},
+            **{part: _value(prometheus, f"sum({name}_{part}{selector})") for part in ("count", "sum")}}
+
+
+def _merged_histogram(server: str, name: str) -> dict:
+    """The same histogram on the merged page, summed over its series."""
+    histogram: dict = {"buckets": {}, "count": 0.0, "sum": 0.0}
+    for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
+        value = float(line.rsplit(" ", 1)[-1]) if line.startswith(name + "_") else 0.0
+        if line.startswith(f"{name}_bucket{{"):
+            le = float(line.split('le="', 1)[1].split('"', 1)[0])
+            histogram["buckets"][le] = histogram["buckets"].get(le, 0.0) + value
+        elif line.startswith((f"{name}_count{{", f"{name}_sum{{")):
+            part = line[len(name) + 1:].split("{", 1)[0]
+            histogram[part] += value
+    return histogram
 
 
 def _same(scraped: dict, merged: dict) -> bool:
@@ -238,14 +255,9 @@ def test_a_mirrored_histogram_keeps_buckets_count_and_a_falling_sum_through_ray(
                 self.histogram.labels(kind="a").observe(value)
 
     def scraped_when(expected: dict) -> dict:
-        selector = '{replica="mirror-check", kind="a"}'
         deadline = time.time() + 60  # Ray's agents export every ~10 s
         while True:
-            result = httpx.get(f"{prometheus_ray}/api/v1/query", timeout=10,
-                               params={"query": f"entropic_mirror_check_bucket{selector}"}).json()
-            scraped = {"bucket": {float(r["metric"]["le"]): float(r["value"][1]) for r in result["data"]["result"]},
-                       "count": _value(prometheus_ray, f"entropic_mirror_check_count{selector}"),
-                       "sum": _value(prometheus_ray, f"entropic_mirror_check_sum{selector}")}
+            scraped = _ray_histogram(prometheus_ray, "entropic_mirror_check", '{replica="mirror-check", kind="a"}')
             if scraped == expected or time.time() > deadline:
                 return scraped
             time.sleep(2)
@@ -253,10 +265,10 @@ def test_a_mirrored_histogram_keeps_buckets_count_and_a_falling_sum_through_ray(
     mirrored = Mirrored.remote()
     try:
         ray.get(mirrored.observe.remote([0.25, 0.5, 1.0, 3.0]))
-        first = {"bucket": {0.5: 2.0, 2.0: 3.0, math.inf: 4.0}, "count": 4.0, "sum": 4.75}
+        first = {"buckets": {0.5: 2.0, 2.0: 3.0, math.inf: 4.0}, "count": 4.0, "sum": 4.75}
         assert scraped_when(first) == first
         ray.get(mirrored.observe.remote([-4.0, -2.5]))
-        fallen = {"bucket": {0.5: 4.0, 2.0: 5.0, math.inf: 6.0}, "count": 6.0, "sum": -1.75}
+        fallen = {"buckets": {0.5: 4.0, 2.0: 5.0, math.inf: 6.0}, "count": 6.0, "sum": -1.75}
         assert scraped_when(fallen) == fallen
     finally:
         ray.kill(mirrored)
@@ -283,20 +295,6 @@ def test_every_series_of_the_merged_page_reaches_the_ray_path(prometheus_ray, se
             break
         time.sleep(2)
     assert not missing, sorted(missing)
-
-
-def _merged_total(server: str, sample: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines()
-               if line.startswith(sample + "{"))
-
-
-def _merged_buckets(server: str, sample: str) -> dict[float, float]:
-    buckets: dict[float, float] = {}
-    for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
-        if line.startswith(sample + "{"):
-            le = float(line.split('le="', 1)[1].split('"', 1)[0])
-            buckets[le] = buckets.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
-    return buckets
 
 
 def test_every_panel_query_returns_series_on_the_ray_path(prometheus_ray, server, client, served_model):
