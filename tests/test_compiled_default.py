@@ -100,6 +100,24 @@ def test_compiled_engine_runs_pruning_and_the_temperature_law(core):
     assert len(set(round(t, 6) for t in temps)) > 1, "the temperature law never changed the temperature"
 
 
+def test_sampled_requests_draw_through_the_inverse_cdf_kernel_and_seeded_ones_through_vllm(core, monkeypatch):
+    """workers/cpu_sampler.py on the shipped engine: steps of unseeded sampled requests draw with the kernel; a
+    seeded request's steps are vLLM's, so its tokens are the same on every run."""
+    import workers.cpu_sampler as module
+
+    calls = []
+    kernel = module.sample_rows
+    monkeypatch.setattr(module, "sample_rows", lambda logits, seeds: calls.append(len(seeds)) or kernel(logits, seeds))
+    poem = {"messages": [{"role": "user", "content": "Write a short poem about the sea."}], "max_tokens": 12,
+            "temperature": 1.0, "ignore_eos": True}
+    plain, = _run(core, [poem])
+    assert sum(len(d.token_ids) for d in plain) == 12 and len(calls) == 12
+    calls.clear()
+    seeded = [[t for d in deltas for t in d.token_ids] for deltas in (_run(core, [{**poem, "seed": 5}])[0],
+                                                                         _run(core, [{**poem, "seed": 5}])[0])]
+    assert calls == [] and seeded[0] == seeded[1] and len(seeded[0]) == 12
+
+
 def test_reports_follow_engine_steps_not_the_clock(core):
     """A long prefill chunk outlasts many control periods; the replica reports again only once the engine
     has stepped (or its requests changed), plus the once-a-second metrics report."""

@@ -26,12 +26,16 @@ Every touch of a vLLM internal, and where it is:
 - ``workers/engine.py``: ``processed_logprobs_only_when_asked`` wraps the model runner's ``Sampler.sample`` and
   sets its ``topk_topp_sampler.logprobs_mode`` per step from ``SamplingMetadata.max_num_logprobs`` and
   ``logprob_token_ids`` (behaviour: ``tests/test_sampler_logprobs.py``).
+- ``workers/cpu_sampler.py``: ``inverse_cdf_sampling`` replaces the instance's ``TopKTopPSampler.forward`` where
+  it is ``forward_cpu``, called as ``(logits, generators, k, p)``, and returns what ``forward_cpu`` returns
+  beside the tokens for each ``logprobs_mode`` (behaviour: ``tests/test_cpu_sampler.py``).
 """
 import inspect
 import os
 from pathlib import Path
 
 import pytest
+import torch
 import vllm
 
 
@@ -414,6 +418,28 @@ def test_the_sampler_calls_its_top_k_top_p_stage_with_the_mode_it_holds():
     assert "self.topk_topp_sampler(" in inspect.getsource(Sampler.sample)
     assert "self.logprobs_mode" in inspect.getsource(TopKTopPSampler.forward_cpu)
     assert {"max_num_logprobs", "logprob_token_ids"} <= set(SamplingMetadata.__dataclass_fields__)
+
+
+def test_the_cpu_top_k_top_p_stage_our_sampler_replaces():
+    """workers/cpu_sampler.py: on x86 CPUs the stage's ``forward`` is ``forward_cpu``, the sampler calls it with
+    the step's generators, top-k and top-p, and with both None it samples the logits as given (Gumbel-max, or
+    float64 noise when ``use_fp64_gumbel``), returning the logits or their log-softmax per ``logprobs_mode``."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, apply_top_k_top_p
+    from vllm.v1.sample.sampler import Sampler
+
+    stage = TopKTopPSampler("raw_logprobs")
+    assert stage.forward.__func__ is TopKTopPSampler.forward_cpu and stage.use_fp64_gumbel is False
+    assert list(inspect.signature(TopKTopPSampler.forward_cpu).parameters) == ["self", "logits", "generators", "k", "p"]
+    sample = inspect.getsource(Sampler.sample)
+    assert ("self.topk_topp_sampler(\n            logits,\n            sampling_metadata.generators,\n"
+            "            sampling_metadata.top_k,\n            sampling_metadata.top_p,\n        )") in sample
+    logits = torch.randn(2, 8)
+    assert apply_top_k_top_p(logits, None, None) is logits
+    source = inspect.getsource(TopKTopPSampler.forward_cpu)
+    for line in ('if self.logprobs_mode == "processed_logits":', "logits_to_return = logits\n",
+                 'elif self.logprobs_mode == "processed_logprobs":',
+                 "logits_to_return = logits.log_softmax(dim=-1, dtype=torch.float32)", "fused_gumbel_argmax"):
+        assert line in source, line
 
 
 def test_the_forward_pass_our_step_threads_widen():

@@ -75,7 +75,8 @@ class ReplicaCore:
             engine_kwargs.update(scheduler_cls="workers.scheduler.EntropicScheduler", scheduling_policy="priority")
         self.runner = EngineRunner(engine_kwargs, on_step=self.metrics.observe_step, on_fatal=on_fatal,
                                    logits_processors=logits_processors, telemetry=config.telemetry,
-                                   on_abort=self.metrics.observe_ended_early, step_threads=step_threads)
+                                   on_abort=self.metrics.observe_ended_early, step_threads=step_threads,
+                                   cpu_sampler=config.engine.cpu_sampler)
         self.generation_defaults = self.runner.engine.model_config.get_diff_sampling_param()
         self.epic = EpicDecoder(self.runner)
         self.epic_alpha = fitted_epic_alpha(resolve_model(config.model))

@@ -158,11 +158,12 @@ class EngineRunner:
     def __init__(self, engine_kwargs: dict[str, Any], on_step: StepObserver | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None, logits_processors: Sequence[type] = (),
                  telemetry: bool = True, on_abort: Callable[[str], None] | None = None,
-                 step_threads: StepThreads | None = None) -> None:
+                 step_threads: StepThreads | None = None, cpu_sampler: str = "inverse_cdf") -> None:
         """``telemetry`` False: no entropy logits processor, so the engine is vLLM's as shipped (and
         every ``Delta`` has empty entropy). ``logits_processors``: more processors, in the order vLLM
         applies them; ours runs first unless the list names ``EntropicLogitsProcessor`` elsewhere.
-        ``step_threads``: prefill steps' forward passes borrow the serving path's cores (CPU, pinned)."""
+        ``step_threads``: prefill steps' forward passes borrow the serving path's cores (CPU, pinned).
+        ``cpu_sampler``: ``EngineConfig.cpu_sampler``."""
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.request import RequestStatus
@@ -178,6 +179,10 @@ class EngineRunner:
         load_inductor_artifacts()  # before vLLM compiles or loads the model
         self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
         processed_logprobs_only_when_asked(model_runner(self.engine).sampler)
+        if cpu_sampler == "inverse_cdf":
+            from workers.cpu_sampler import inverse_cdf_sampling
+
+            inverse_cdf_sampling(model_runner(self.engine).sampler)
         self.step_threads = step_threads
         if step_threads is not None:
             wrap_forward(self.engine, step_threads)

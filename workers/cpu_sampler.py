@@ -1,0 +1,54 @@
+"""Random sampling on CPU by inverse CDF (kernels/csrc/sample.c) in place of vLLM's Gumbel-max.
+
+vLLM's CPU sampler draws a token by Gumbel-max: a random number and two logs for every token of the
+vocabulary, for every row (``torch.ops._C.fused_gumbel_argmax``, vllm 0.32.0). At a decode batch of 16 rows
+and this model's 49152 tokens that is a few milliseconds of the engine's one thread per step, several
+percent of a short-context decode step (docs/results/README.md). Drawing by inverse CDF takes one exp per
+token: the same distribution, softmax of the logits vLLM hands its top-k/top-p stage (after temperature,
+penalties and every logits processor, ours included).
+
+Only where that stage would sample plainly: no request of the step uses top-k or top-p (vLLM passes
+``k`` and ``p`` as None then) or a seed of its own (``generators`` empty: a seeded request draws vLLM's
+stream, so its tokens stay what `vllm serve` gives for that seed), and vLLM's float64 Gumbel option is off.
+Otherwise, and wherever the kernel declines a batch, vLLM's own path samples it. The uniforms come from
+torch's default generator, as vLLM's noise does, so a process-wide ``torch.manual_seed`` still fixes them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.cpu_sample import sample_rows
+
+_SEED_HIGH = 2**62  # any 64-bit values do: the kernel mixes each seed with SplitMix64
+
+
+def inverse_cdf_sampling(sampler: Any) -> bool:
+    """Route the CPU random draws of ``sampler`` (the model runner's ``Sampler``) through the kernel, where
+    they qualify (above). False, and nothing changed, where its top-k/top-p stage is not vLLM's CPU path."""
+    inner = sampler.topk_topp_sampler
+    vllm_forward = inner.forward
+    if getattr(vllm_forward, "__func__", None) is not type(inner).forward_cpu:
+        return False
+
+    def forward(logits: torch.Tensor, generators: dict[int, torch.Generator], k: torch.Tensor | None,
+                p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if k is None and p is None and not generators and not inner.use_fp64_gumbel:
+            seeds = torch.randint(0, _SEED_HIGH, (logits.shape[0],), dtype=torch.int64)
+            sampled = sample_rows(logits.to(torch.float32), seeds)
+            if sampled is not None:
+                return sampled, _processed(logits, inner.logprobs_mode)
+        return vllm_forward(logits, generators, k, p)
+
+    inner.forward = forward
+    return True
+
+
+def _processed(logits: torch.Tensor, mode: str) -> torch.Tensor | None:
+    """What vLLM's CPU path returns beside the tokens for ``mode``, where top-k and top-p are off."""
+    if mode == "processed_logits":
+        return logits
+    if mode == "processed_logprobs":
+        return logits.log_softmax(dim=-1, dtype=torch.float32)
+    return None
