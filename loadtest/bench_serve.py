@@ -16,9 +16,10 @@ Pairs (``--pairs``):
 - ``matched``: the same dtype, compile mode (compiled), context length and batch size on both sides
   (our ``engine`` config is set to what vLLM is given). What our serving path and control layers cost
   or gain when nothing else differs.
-- ``layers-off``: ``matched`` with our server's ``telemetry: false`` (vLLM's engine as shipped: no logits
-  processor, no π scheduler, no pruning). Against ``matched`` it splits what our serving path costs
-  (Serve's proxy, the ingress, the replica and its engine process) from what the control layers cost.
+- ``layers-off``: ``matched`` with our server's ``telemetry: false`` (no logits processor of ours, no π
+  scheduler, no pruning; the engine's other settings, its CPU sampler among them, as in ``matched``).
+  Against ``matched`` it splits what our serving path costs (Serve's proxy, the ingress, the replica and
+  its engine process) from what the control layers cost.
 - ``same-block``: ``matched`` with ``vllm serve`` given our KV block size (with pruning on, our CPU
   engine uses smaller blocks than vLLM's CPU default). Against ``matched`` it splits what the block
   size costs from what our serving path and layers cost.

@@ -129,8 +129,8 @@ class ReplicaConfig(BaseModel):
     epic: EpicControl = Field(default_factory=EpicControl)
     pruning_dense_layers: int = Field(0, ge=0, description="first layers that always attend densely (pruned requests too)")
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
-    telemetry: bool = Field(True, description="per-token entropy telemetry (our logits processor). False: the engine "
-                            "is vLLM's as shipped, and the three control layers, which read the entropy, are off")
+    telemetry: bool = Field(True, description="per-token entropy telemetry (our logits processor). False: no logits "
+                            "processor of ours runs, and the three control layers, which read the entropy, are off")
     telemetry_period_s: float = Field(0.05, gt=0, le=10, description="how often replicas report to the controller")
     engine_stall_timeout_s: float = Field(
         300.0, gt=0, description="the replica fails its health check when one engine step has run this long")

@@ -1,15 +1,15 @@
 """Random sampling on CPU by inverse CDF (kernels/csrc/sample.c) in place of vLLM's Gumbel-max.
 
 vLLM's CPU sampler draws a token by Gumbel-max: a random number and two logs for every token of the
-vocabulary, for every row (``torch.ops._C.fused_gumbel_argmax``, vllm 0.32.0). At a decode batch of 16 rows
-and this model's 49152 tokens that is a few milliseconds of the engine's one thread per step, several
-percent of a short-context decode step (docs/results/README.md). Drawing by inverse CDF takes one exp per
-token: the same distribution, softmax of the logits vLLM hands its top-k/top-p stage (after temperature,
-penalties and every logits processor, ours included).
+vocabulary, for every row (``torch.ops._C.fused_gumbel_argmax``, vllm 0.32.0), on the engine's one thread,
+in every decode step of a sampled batch; what that costs a short-context step is measured in
+docs/results/README.md (the inverse-CDF rows). Drawing by inverse CDF takes one exp per token: the same
+distribution, softmax of the logits vLLM hands its top-k/top-p stage (after temperature, penalties and every
+logits processor, ours included).
 
 Only where that stage would sample plainly: no request of the step uses top-k or top-p (vLLM passes
-``k`` and ``p`` as None then) or a seed of its own (``generators`` empty: a seeded request draws vLLM's
-stream, so its tokens stay what `vllm serve` gives for that seed), and vLLM's float64 Gumbel option is off.
+``k`` and ``p`` as None then) or a seed of its own (``generators`` empty: a seeded request keeps vLLM's
+seeded stream), and vLLM's float64 Gumbel option is off.
 Otherwise, and wherever the kernel declines a batch, vLLM's own path samples it. The uniforms come from
 torch's default generator, as vLLM's noise does, so a process-wide ``torch.manual_seed`` still fixes them.
 """

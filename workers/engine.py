@@ -159,9 +159,9 @@ class EngineRunner:
                  on_fatal: Callable[[BaseException], None] | None = None, logits_processors: Sequence[type] = (),
                  telemetry: bool = True, on_abort: Callable[[str], None] | None = None,
                  step_threads: StepThreads | None = None, cpu_sampler: str = "inverse_cdf") -> None:
-        """``telemetry`` False: no entropy logits processor, so the engine is vLLM's as shipped (and
-        every ``Delta`` has empty entropy). ``logits_processors``: more processors, in the order vLLM
-        applies them; ours runs first unless the list names ``EntropicLogitsProcessor`` elsewhere.
+        """``telemetry`` False: no entropy logits processor (every ``Delta`` has empty entropy).
+        ``logits_processors``: more processors, in the order vLLM applies them; ours runs first unless the
+        list names ``EntropicLogitsProcessor`` elsewhere.
         ``step_threads``: prefill steps' forward passes borrow the serving path's cores (CPU, pinned).
         ``cpu_sampler``: ``EngineConfig.cpu_sampler``."""
         from vllm import EngineArgs
