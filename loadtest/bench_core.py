@@ -12,7 +12,9 @@ is the replica's path around the engine, not the attention backend. ``--with-plu
 serving does: both arms then run our attention backend, and the core's requests carry the entropic
 arguments it reads each step. Each round sends the same ``--requests`` chat prompts to both, in
 alternating order, greedy with ``ignore_eos`` to ``--max-tokens`` each: a decode-speed measurement,
-the same tokens on both sides. The ratio is core / bare output tokens per second, per round.
+the same tokens on both sides. ``--temperature`` above 0 samples instead (the same number of tokens,
+not the same ones): the core then draws with its CPU sampler (``--cpu-sampler``, ``engine.cpu_sampler``)
+and the bare engine with vLLM's. The ratio is core / bare output tokens per second, per round.
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="load our vLLM plugin (as serving does): both arms then run our CPU attention backend")
     parser.add_argument("--no-telemetry", action="store_true",
                         help="the core without entropy telemetry (telemetry: false), to tell its cost from the rest")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (the same tokens in both arms); above 0: random sampling at it")
+    parser.add_argument("--cpu-sampler", choices=("inverse_cdf", "vllm"), default="inverse_cdf",
+                        help="the core's engine.cpu_sampler (random sampling only)")
     parser.add_argument("--out", default="docs/results/core-overhead")
     args = parser.parse_args(argv)
     if not args.with_plugin:  # before vLLM loads its plugins: vLLM's own CPU attention in both arms
@@ -55,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     from workers.core import ReplicaCore
     from workers.model_store import resolve_model
 
-    engine = EngineConfig(max_model_len=4096, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads)
+    engine = EngineConfig(max_model_len=4096, max_num_seqs=args.max_num_seqs, cpu_threads=args.threads,
+                          cpu_sampler=args.cpu_sampler)
     config = ReplicaConfig(engine=engine, telemetry=not args.no_telemetry, sampling=SamplingControl(enabled=False),
                            pruning=PruningControl(enabled=False), scheduling=SchedulingConfig(enabled=False))
     core = ReplicaCore(config, replica_id="core", metrics_registry=CollectorRegistry())
@@ -67,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     bare = LLMEngine.from_engine_args(EngineArgs(**{**engine.engine_kwargs(model, config.model),
                                                     "disable_log_stats": True}))
     requests = [EntropicChatCompletionRequest(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                              max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+                                              max_tokens=args.max_tokens, temperature=args.temperature,
+                                              ignore_eos=True)
                 for i in range(args.requests)]
     from workers.prompts import prompt_token_ids
 
     prompt_ids = [prompt_token_ids("chat", r, core.runner.tokenizer) for r in requests]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
     def run_bare(tag: str) -> float:
@@ -112,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             f"Command: `{result['command']}`", "",
             f"Machine: {cpu_text(m)}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, vllm {m['vllm']}; "
             f"dtype {m['cpu_dtype_auto']}, {args.threads} engine threads, max_num_seqs {args.max_num_seqs}.", "",
-            f"{args.requests} chat requests x {args.max_tokens} tokens (greedy, ignore_eos: decode speed), "
+            f"{args.requests} chat requests x {args.max_tokens} tokens ("
+            + ("greedy" if args.temperature == 0 else
+               f"sampled at temperature {args.temperature:g}, the core's CPU sampler {args.cpu_sampler}")
+            + ", ignore_eos: decode speed), "
             f"{args.rounds} rounds, order alternated. Core: ReplicaCore.generate with telemetry "
             f"{'off' if args.no_telemetry else 'on'} (sampling control, pruning, π off); "
             "bare: LLMEngine.step in a loop. Our vLLM plugin "
