@@ -7,8 +7,8 @@
  *
  * Two passes and one exp per token: pass one finds m; pass two sums e over blocks of BLOCK tokens and keeps
  * each block's sum (in ``block_sums``, vocab / BLOCK floats per call, given by the caller); then the block
- * sums are walked in double up to u * A, and only the block where the running sum passes it has its exps
- * computed again, one by one. The running sum over blocks adds the very block sums A was added from, in
+ * sums are walked in double up to u * A, and only the block where the running sum passes it has its
+ * weights computed again (by the same code) and added one by one. The running sum over blocks adds the very block sums A was added from, in
  * the same order, so it reaches A at the last block: with u < 1 the walk always ends in a block. Inside
  * it, float rounding between the block's sum and its terms added one by one can leave u * A unpassed; the
  * block's last token with a nonzero weight is then taken. Tokens whose weight is 0 (-inf logits: masked,
