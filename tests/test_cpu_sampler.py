@@ -11,6 +11,8 @@ import torch
 from scipy import stats
 
 from kernels import cpu_sample
+from tests.test_sampler_logprobs import ROWS
+from tests.test_sampler_logprobs import _metadata as sampler_metadata
 
 DRAWS = 40_000
 NAMED = 24  # tokens counted one by one in the frequency test; the rest of the vocabulary is one more bin
@@ -90,21 +92,7 @@ def test_the_kernel_declines_what_it_cannot_draw_from():
 
 
 # --- vLLM's Sampler with workers.cpu_sampler.inverse_cdf_sampling ----------------------------------------------
-ROWS, VOCAB = 4, 512
-
-
-def _metadata(temperature: float = 0.5, generators: dict | None = None, top_p: torch.Tensor | None = None,
-              max_num_logprobs: int | None = None):
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    empty = torch.zeros(ROWS)
-    return SamplingMetadata(
-        temperature=torch.full((ROWS,), temperature), all_greedy=False, all_random=True, top_p=top_p, top_k=None,
-        generators=generators or {}, max_num_logprobs=max_num_logprobs, no_penalties=True, prompt_token_ids=None,
-        frequency_penalties=empty, presence_penalties=empty, repetition_penalties=torch.ones(ROWS),
-        output_token_ids=[[] for _ in range(ROWS)], allowed_token_ids_mask=None, bad_words_token_ids={},
-        logitsprocs=LogitsProcessors())
+VOCAB = 512
 
 
 @pytest.fixture
@@ -130,7 +118,7 @@ def samplers(monkeypatch):
 def test_a_plain_batch_is_drawn_by_the_kernel_from_the_tempered_distribution(samplers):
     _, ours, calls = samplers
     logits = torch.randn(ROWS, VOCAB) * 2
-    drawn = torch.stack([ours(logits.clone(), _metadata(temperature=0.5)).sampled_token_ids[:, 0].long()
+    drawn = torch.stack([ours(logits.clone(), sampler_metadata(temperature=0.5)).sampled_token_ids[:, 0].long()
                          for _ in range(5000)])  # [draws, rows]
     assert len(calls) == 5000 and calls[0] == (ROWS, VOCAB)
     for r in range(ROWS):
@@ -141,7 +129,7 @@ def test_a_plain_batch_is_drawn_by_the_kernel_from_the_tempered_distribution(sam
 def test_the_kernel_path_returns_the_processed_logprobs_vllm_would(samplers):
     _, ours, _ = samplers
     logits = torch.randn(ROWS, VOCAB)
-    out = ours(logits.clone(), _metadata(temperature=0.5, max_num_logprobs=0))
+    out = ours(logits.clone(), sampler_metadata(temperature=0.5, max_num_logprobs=0))
     tokens = out.sampled_token_ids[:, 0].long()
     want = torch.log_softmax(logits / 0.5, dim=-1).gather(1, tokens[:, None])[:, 0]
     assert torch.allclose(out.logprobs_tensors.logprobs[:, 0], want, atol=1e-5)
@@ -154,7 +142,7 @@ def test_seeded_and_top_p_batches_are_left_to_vllm_with_vllms_tokens(samplers):
     def seeded():
         return {1: torch.Generator().manual_seed(11), 3: torch.Generator().manual_seed(12)}
 
-    for meta in (lambda: _metadata(generators=seeded()), lambda: _metadata(top_p=torch.full((ROWS,), 0.9))):
+    for meta in (lambda: sampler_metadata(generators=seeded()), lambda: sampler_metadata(top_p=torch.full((ROWS,), 0.9))):
         torch.manual_seed(3)
         want = shipped(logits.clone(), meta()).sampled_token_ids
         torch.manual_seed(3)
