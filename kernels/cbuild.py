@@ -34,7 +34,9 @@ def _compile_flags() -> list[str]:
 
 def library_path(name: str) -> Path:
     flags = _compile_flags()
-    digest = hashlib.sha256((CSRC / f"{name}.c").read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    # the headers too (all of them: a few hundred lines), so an edit to one rebuilds every library
+    sources = [CSRC / f"{name}.c", *sorted(CSRC.glob("*.h"))]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"{name}-{digest}.so"
 
 

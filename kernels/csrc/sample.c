@@ -14,56 +14,19 @@
  * block's last token with a nonzero weight is then taken. Tokens whose weight is 0 (-inf logits: masked,
  * and everything below exp's range under the max) are never taken.
  *
- * exp is the polynomial of entropy.c. Single-threaded, like entropy.c: the engine's OpenMP pool owns the
+ * exp is the polynomial of simd_exp.h, as in entropy.c. Single-threaded, like entropy.c: the engine's OpenMP pool owns the
  * cores. AVX2/FMA when the build machine has them (kernels/cbuild.py picks the flags), else scalar C.
  */
-#include <math.h>
-#include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd_exp.h"
 
 #define BLOCK 16
-#define EXP_LO (-87.0f)
-
-static inline float exp_scalar(float y) {
-    if (!(y > EXP_LO)) return 0.0f;
-    return expf(y);
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hmax256(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
-}
-
-/* exp(y) for y <= 0, 0 below EXP_LO (entropy.c's exp256) */
-static inline __m256 exp256(__m256 y) {
-    const __m256 lo = _mm256_set1_ps(EXP_LO);
-    __m256 live = _mm256_cmp_ps(y, lo, _CMP_GT_OQ);
-    __m256 x = _mm256_max_ps(y, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);
 }
 #endif
 
