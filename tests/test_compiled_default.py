@@ -100,9 +100,10 @@ def test_compiled_engine_runs_pruning_and_the_temperature_law(core):
     assert len(set(round(t, 6) for t in temps)) > 1, "the temperature law never changed the temperature"
 
 
-def test_sampled_requests_draw_through_the_inverse_cdf_kernel_and_seeded_ones_through_vllm(core, monkeypatch):
-    """workers/cpu_sampler.py on the shipped engine: steps of unseeded sampled requests draw with the kernel; a
-    seeded request's steps are vLLM's, so its tokens are the same on every run."""
+def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_through_vllm(core, monkeypatch):
+    """workers/cpu_sampler.py on the shipped engine: steps of unseeded sampled requests draw with the kernel, after
+    the request's top-k and top-p where it sets them; a seeded request's steps are vLLM's, so its tokens are the
+    same on every run."""
     import workers.cpu_sampler as module
 
     calls = []
@@ -112,10 +113,20 @@ def test_sampled_requests_draw_through_the_inverse_cdf_kernel_and_seeded_ones_th
             "temperature": 1.0, "ignore_eos": True}
     plain, = _run(core, [poem])
     assert sum(len(d.token_ids) for d in plain) == 12 and len(calls) == 12
+    filtered = []
+    kernel_filtered = module.sample_rows_filtered
+    monkeypatch.setattr(module, "sample_rows_filtered",
+                        lambda logits, seeds, k, p: filtered.append((k, p)) or kernel_filtered(logits, seeds, k, p))
     calls.clear()
+    nucleus, = _run(core, [{**poem, "top_p": 0.9, "top_k": 40}])
+    assert sum(len(d.token_ids) for d in nucleus) == 12 and len(filtered) == 12 and calls == []
+    k, p = filtered[0]
+    assert int(k[0]) == 40 and abs(float(p[0]) - 0.9) < 1e-6
+    calls.clear()
+    filtered.clear()
     seeded = [[t for d in deltas for t in d.token_ids] for deltas in (_run(core, [{**poem, "seed": 5}])[0],
                                                                          _run(core, [{**poem, "seed": 5}])[0])]
-    assert calls == [] and seeded[0] == seeded[1] and len(seeded[0]) == 12
+    assert calls == [] and filtered == [] and seeded[0] == seeded[1] and len(seeded[0]) == 12
 
 
 def test_reports_follow_engine_steps_not_the_clock(core):

@@ -89,6 +89,10 @@ def test_the_kernel_declines_what_it_cannot_draw_from():
         rows[1, :] = float("-inf")
         rows[1, 7] = bad
         assert cpu_sample.sample_rows(rows, seeds) is None, bad
+    for at in (7, 40, 63):  # a nan among finite logits, in the vector loop and in the tail
+        rows = torch.zeros(2, 71)
+        rows[1, at] = float("nan")
+        assert cpu_sample.sample_rows(rows, seeds) is None, at
 
 
 # --- vLLM's Sampler with workers.cpu_sampler.inverse_cdf_sampling ----------------------------------------------
@@ -103,13 +107,18 @@ def samplers(monkeypatch):
     import workers.cpu_sampler as module
 
     calls = []
-    kernel = module.sample_rows
+    plain, filtered = module.sample_rows, module.sample_rows_filtered
 
-    def counting(logits, seeds):
-        calls.append(tuple(logits.shape))
-        return kernel(logits, seeds)
+    def counting_plain(logits, seeds):
+        calls.append(("plain", tuple(logits.shape)))
+        return plain(logits, seeds)
 
-    monkeypatch.setattr(module, "sample_rows", counting)
+    def counting_filtered(logits, seeds, k, p):
+        calls.append(("filtered", tuple(logits.shape)))
+        return filtered(logits, seeds, k, p)
+
+    monkeypatch.setattr(module, "sample_rows", counting_plain)
+    monkeypatch.setattr(module, "sample_rows_filtered", counting_filtered)
     ours = Sampler(logprobs_mode="processed_logprobs")
     assert module.inverse_cdf_sampling(ours)
     return Sampler(logprobs_mode="processed_logprobs"), ours, calls
@@ -120,7 +129,7 @@ def test_a_plain_batch_is_drawn_by_the_kernel_from_the_tempered_distribution(sam
     logits = torch.randn(ROWS, VOCAB) * 2
     drawn = torch.stack([ours(logits.clone(), sampler_metadata(temperature=0.5)).sampled_token_ids[:, 0].long()
                          for _ in range(5000)])  # [draws, rows]
-    assert len(calls) == 5000 and calls[0] == (ROWS, VOCAB)
+    assert len(calls) == 5000 and calls[0] == ("plain", (ROWS, VOCAB))
     for r in range(ROWS):
         assert _chi2_p(drawn[:, r], logits[r] / 0.5) > 1e-6
         assert _chi2_p(drawn[:, r], logits[r]) < 1e-6, "temperature 0.5 was not applied before the draw"
@@ -135,17 +144,140 @@ def test_the_kernel_path_returns_the_processed_logprobs_vllm_would(samplers):
     assert torch.allclose(out.logprobs_tensors.logprobs[:, 0], want, atol=1e-5)
 
 
-def test_seeded_and_top_p_batches_are_left_to_vllm_with_vllms_tokens(samplers):
+def test_seeded_batches_are_left_to_vllm_with_vllms_tokens(samplers):
     shipped, ours, calls = samplers
     logits = torch.randn(ROWS, VOCAB)
 
     def seeded():
         return {1: torch.Generator().manual_seed(11), 3: torch.Generator().manual_seed(12)}
 
-    for meta in (lambda: sampler_metadata(generators=seeded()), lambda: sampler_metadata(top_p=torch.full((ROWS,), 0.9))):
+    for top_p in (None, torch.full((ROWS,), 0.9)):
         torch.manual_seed(3)
-        want = shipped(logits.clone(), meta()).sampled_token_ids
+        want = shipped(logits.clone(), sampler_metadata(generators=seeded(), top_p=top_p)).sampled_token_ids
         torch.manual_seed(3)
-        got = ours(logits.clone(), meta()).sampled_token_ids
+        got = ours(logits.clone(), sampler_metadata(generators=seeded(), top_p=top_p)).sampled_token_ids
         assert torch.equal(got, want)
     assert calls == []
+
+
+def test_top_k_and_top_p_batches_take_the_filtered_draw_with_vllms_mask_and_processed_logprobs(samplers):
+    """float32 normal logits have no ties, so the kernel's threshold must mask what vLLM's sort masks."""
+    shipped, ours, calls = samplers
+    logits = torch.randn(ROWS, VOCAB) * 2
+    k = torch.tensor([VOCAB, 5, 40, VOCAB], dtype=torch.int32)[:ROWS]
+    p = torch.tensor([0.5, 1.0, 0.8, 1.0])[:ROWS]
+    meta = sampler_metadata(temperature=0.7, top_k=k, top_p=p, max_num_logprobs=0)
+    got = ours(logits.clone(), meta)
+    assert calls == [("filtered", (ROWS, VOCAB))]
+    tokens = got.sampled_token_ids[:, 0].long()
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    masked = apply_top_k_top_p_pytorch(logits / 0.7, k, p)
+    assert bool((masked.gather(1, tokens[:, None]) > float("-inf")).all()), "a token outside vLLM's filter"
+    want = masked.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(got.logprobs_tensors.logprobs[:, 0], want, atol=1e-5)
+    shipped_out = shipped(logits.clone(), sampler_metadata(temperature=0.7, top_k=k, top_p=p, max_num_logprobs=0))
+    assert shipped_out.sampled_token_ids.shape == got.sampled_token_ids.shape
+
+
+# --- top-k and top-p (entropic_sample_rows_filtered) -------------------------------------------------------------
+def _rule(row: torch.Tensor, k: int | None, p: float | None) -> float:
+    """The threshold of the kernel's rule, from a full sort in float64: vLLM's top-k (ties with the k-th kept),
+    then vLLM's top-p over the renormalized rest, a tie group at its boundary kept whole."""
+    x = row.double()
+    desc = torch.sort(x[x > float("-inf")], descending=True).values
+    tau = float("-inf")
+    if k is not None and k < desc.numel():
+        tau = float(desc[k - 1])
+        desc = desc[desc >= tau]
+    if p is not None and p < 1:
+        values, counts = torch.unique_consecutive(desc, return_counts=True)
+        mass = torch.exp(values - values[0]) * counts
+        before = torch.cumsum(mass, 0) - mass  # each group's S_greater
+        kept = before < p * mass.sum()
+        tau = float(values[kept][-1])
+    return tau
+
+
+def _vllm_kept(rows: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor:
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    n = rows.shape[0]
+    kt = None if k is None else torch.full((n,), k, dtype=torch.int32)
+    pt = None if p is None else torch.full((n,), p)
+    return apply_top_k_top_p_pytorch(rows.clone(), kt, pt) > float("-inf")
+
+
+def _filtered(rows: torch.Tensor, k: int | None, p: float | None, seeds: torch.Tensor | None = None):
+    n = rows.shape[0]
+    got = cpu_sample.sample_rows_filtered(
+        rows, torch.arange(n) if seeds is None else seeds, None if k is None else torch.full((n,), k),
+        None if p is None else torch.full((n,), p))
+    assert got is not None
+    return got
+
+
+FILTERS = [(None, 0.9), (None, 0.95), (None, 0.5), (50, None), (1, None), (20, 0.8), (400, 0.99), (None, 1e-4)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-rounded"])
+@pytest.mark.parametrize("k,p", FILTERS)
+def test_the_threshold_is_vllms_filter_with_boundary_ties_kept_whole(real_logits, k, p, bf16):
+    """On every position of a real paragraph at two temperatures: vLLM's kept tokens are all kept, and every
+    token kept beyond them ties with the threshold (vLLM's unstable sort keeps an arbitrary part of such a
+    group); the threshold is the float64 rule's wherever that rule's mass at the boundary is not a rounding
+    away from p (bf16-rounded logits, as the engine computes them on bf16 hosts, tie often)."""
+    base = real_logits.to(torch.bfloat16).float() if bf16 else real_logits
+    for temperature in (0.6, 1.3):
+        rows = (base / temperature).contiguous()
+        tokens, tau = _filtered(rows, k, p)
+        kept = rows >= tau[:, None]
+        vllm = _vllm_kept(rows, k, p)
+        assert bool((vllm <= kept).all()), "a token vLLM keeps was filtered out"
+        extra = kept & ~vllm
+        assert bool((rows[extra] == tau.expand_as(rows.T).T[extra]).all()), "a token kept beyond vLLM's off the tie"
+        assert bool(kept.gather(1, tokens[:, None]).all())
+        rule = torch.tensor([_rule(r, k, p) for r in rows], dtype=torch.float32)
+        assert int((rule != tau).sum()) <= 1, (rule, tau)  # one boundary within float rounding at most
+
+
+def test_filtered_draws_follow_the_renormalized_kept_distribution(real_logits):
+    row = real_logits[5].contiguous()
+    for k, p in ((None, 0.9), (30, None), (30, 0.95)):
+        rows = row.expand(1000, -1).contiguous()
+        tokens = torch.cat([_filtered(rows, k, p, torch.arange(s, s + 1000))[0] for s in range(0, DRAWS, 1000)])
+        tau = _rule(row, k, p)
+        target = row.masked_fill(row < tau, float("-inf"))
+        assert int((row >= tau).sum()) > 3, "the filter must leave something to test"
+        assert _chi2_p(tokens, target) > 1e-6
+        assert bool((row[tokens] >= tau).all())
+        assert _chi2_p(tokens, row) < 1e-6, "the same draws cannot tell the filtered distribution from the whole"
+
+
+def test_filtered_edge_rows():
+    vocab = 3000
+    rows = torch.full((6, vocab), float("-inf"))
+    rows[0, :10] = torch.arange(10.0)            # k beyond the finite tokens: all ten kept, as vLLM keeps them
+    rows[1] = torch.linspace(-2000.0, 0.0, vocab)  # k deep below the max: the exact k-th logit, however far
+    rows[2, [4, 9, 2999]] = 1.0                  # k = 1 with a three-way tie at the top: all three kept
+    rows[3] = torch.randn(vocab)                 # top-k and top-p off in this row: a plain draw, threshold -inf
+    rows[4, :] = 0.0                             # every token ties: top-p keeps them all
+    rows[5] = torch.randn(vocab)                 # p tiny: the max alone
+    k = torch.tensor([50, 2500, 1, vocab, vocab, 0])
+    p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.3, 1e-6])
+    tokens, tau = cpu_sample.sample_rows_filtered(rows, torch.arange(6), k, p)
+    assert float(tau[0]) == float("-inf") and int(tokens[0]) < 10
+    assert float(tau[1]) == float(rows[1, vocab - 2500]) and int(tokens[1]) >= vocab - 2500
+    assert float(tau[2]) == 1.0 and int(tokens[2]) in (4, 9, 2999)
+    assert float(tau[3]) == float("-inf")
+    assert float(tau[4]) == 0.0
+    assert int(tokens[5]) == int(rows[5].argmax()) and float(tau[5]) == float(rows[5].max())
+    vllm = _vllm_kept(rows[1:2], 2500, None)
+    assert torch.equal(vllm[0], rows[1] >= tau[1])
+
+
+def test_the_filtered_kernel_declines_what_it_cannot_draw_from():
+    rows = torch.randn(2, 64)
+    rows[1, 3] = float("nan")
+    assert cpu_sample.sample_rows_filtered(rows, torch.arange(2), None, torch.full((2,), 0.9)) is None
+    assert cpu_sample.sample_rows_filtered(rows[:1], torch.arange(1), torch.full((2,), 5), None) is None

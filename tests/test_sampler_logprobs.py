@@ -9,14 +9,14 @@ ROWS, VOCAB = 4, 512
 
 
 def _metadata(max_num_logprobs: int | None = None, temperature: float = 0.5, generators: dict | None = None,
-              top_p: torch.Tensor | None = None):
+              top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None):
     """An all-random batch of ROWS rows without penalties, for vLLM's real Sampler (tests/test_cpu_sampler.py too)."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
     empty = torch.zeros(ROWS)
     return SamplingMetadata(
-        temperature=torch.full((ROWS,), temperature), all_greedy=False, all_random=True, top_p=top_p, top_k=None,
+        temperature=torch.full((ROWS,), temperature), all_greedy=False, all_random=True, top_p=top_p, top_k=top_k,
         generators=generators or {}, max_num_logprobs=max_num_logprobs, no_penalties=True, prompt_token_ids=None,
         frequency_penalties=empty, presence_penalties=empty, repetition_penalties=torch.ones(ROWS),
         output_token_ids=[[] for _ in range(ROWS)], allowed_token_ids_mask=None, bad_words_token_ids={},

@@ -28,7 +28,9 @@ Every touch of a vLLM internal, and where it is:
   ``logprob_token_ids`` (behaviour: ``tests/test_sampler_logprobs.py``).
 - ``workers/cpu_sampler.py``: ``inverse_cdf_sampling`` replaces the instance's ``TopKTopPSampler.forward`` where
   it is ``forward_cpu``, called as ``(logits, generators, k, p)``, and returns what ``forward_cpu`` returns
-  beside the tokens for each ``logprobs_mode`` (behaviour: ``tests/test_cpu_sampler.py``).
+  beside the tokens for each ``logprobs_mode``; it reproduces ``apply_top_k_top_p``'s rule, with per-row ``k``
+  of the vocabulary size and ``p`` of 1 meaning off, as ``InputBatch`` fills them (behaviour, against vLLM's
+  own function: ``tests/test_cpu_sampler.py``).
 """
 import inspect
 import os
@@ -440,6 +442,25 @@ def test_the_cpu_top_k_top_p_stage_our_sampler_replaces():
                  'elif self.logprobs_mode == "processed_logprobs":',
                  "logits_to_return = logits.log_softmax(dim=-1, dtype=torch.float32)", "fused_gumbel_argmax"):
         assert line in source, line
+    assert source.index("logits = apply_top_k_top_p(logits, k, p)") < source.index("logits_to_return")
+
+
+def test_the_top_k_top_p_rule_our_kernel_reproduces():
+    """kernels/csrc/sample.c keeps, per row, the tokens at or above the k-th largest logit, then those below less
+    than p of the renormalized mass, with k = vocabulary size and p = 1 meaning off (InputBatch's encoding)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    rule = inspect.getsource(topk_topp_sampler.apply_top_k_top_p_pytorch)
+    for line in ("top_k_mask = logits_sort < top_k_mask", "probs_sort = logits_sort.softmax(dim=-1)",
+                 "top_p_mask = probs_sum <= 1 - p.unsqueeze(dim=1)", "top_p_mask[:, -1] = False"):
+        assert line in rule, line
+    assert "logits.masked_fill_(logits < top_k_mask" in inspect.getsource(topk_topp_sampler.apply_top_k_only)
+    assert topk_topp_sampler.HAS_TRITON is False, "vLLM's CPU top-k/top-p would not be the PyTorch rule"
+    add = inspect.getsource(InputBatch.add_request)
+    for line in ("self.top_p_cpu[req_index] = sampling_params.top_p", "if 0 < top_k < self.vocab_size:",
+                 "top_k = self.vocab_size", "self.top_k_cpu[req_index] = top_k"):
+        assert line in add, line
 
 
 def test_the_forward_pass_our_step_threads_widen():

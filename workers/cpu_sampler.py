@@ -7,10 +7,16 @@ docs/results/README.md (the inverse-CDF rows). Drawing by inverse CDF takes one 
 distribution, softmax of the logits vLLM hands its top-k/top-p stage (after temperature, penalties and every
 logits processor, ours included).
 
-Only where that stage would sample plainly: no request of the step uses top-k or top-p (vLLM passes
-``k`` and ``p`` as None then) or a seed of its own (``generators`` empty: a seeded request keeps vLLM's
-seeded stream), and vLLM's float64 Gumbel option is off.
-Otherwise, and wherever the kernel declines a batch, vLLM's own path samples it. The uniforms come from
+Steps where some request sets top-k or top-p take the same draw after the same filter, found without
+vLLM's sort of the whole vocabulary (which, for top-p, costs more than a short-context decode step; measured
+in docs/results/README.md): each row keeps its tokens with logit >= one threshold, as vLLM's rule does,
+except that a tie group at the top-p boundary is kept whole where vLLM's unstable sort keeps an arbitrary
+part of it (kernels/csrc/sample.c).
+
+Only where no request of the step has a seed of its own (``generators`` empty: a seeded request keeps
+vLLM's seeded stream) and vLLM's float64 Gumbel option is off.
+Otherwise, and wherever the kernel declines a batch, vLLM's own path samples it (the kernel writes nothing
+into the logits, so vLLM's path gets them as they came). The uniforms come from
 torch's default generator, as vLLM's noise does, so a process-wide ``torch.manual_seed`` still fixes them.
 """
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_sample import sample_rows
+from kernels.cpu_sample import sample_rows, sample_rows_filtered
 
 _SEED_HIGH = 2**62  # any 64-bit values do: the kernel mixes each seed with SplitMix64
 
@@ -34,11 +40,19 @@ def inverse_cdf_sampling(sampler: Any) -> bool:
 
     def forward(logits: torch.Tensor, generators: dict[int, torch.Generator], k: torch.Tensor | None,
                 p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if k is None and p is None and not generators and not inner.use_fp64_gumbel:
+        if not generators and not inner.use_fp64_gumbel:
             seeds = torch.randint(0, _SEED_HIGH, (logits.shape[0],), dtype=torch.int64)
-            sampled = sample_rows(logits.to(torch.float32), seeds)
-            if sampled is not None:
-                return sampled, _processed(logits, inner.logprobs_mode)
+            if k is None and p is None:
+                sampled = sample_rows(logits.to(torch.float32), seeds)
+                if sampled is not None:
+                    return sampled, _processed(logits, inner.logprobs_mode)
+            else:
+                filtered = sample_rows_filtered(logits.to(torch.float32), seeds, k, p)
+                if filtered is not None:
+                    sampled, thresholds = filtered
+                    if inner.logprobs_mode in ("processed_logits", "processed_logprobs"):
+                        logits = logits.masked_fill(logits < thresholds.unsqueeze(1), float("-inf"))
+                    return sampled, _processed(logits, inner.logprobs_mode)
         return vllm_forward(logits, generators, k, p)
 
     inner.forward = forward
@@ -46,7 +60,7 @@ def inverse_cdf_sampling(sampler: Any) -> bool:
 
 
 def _processed(logits: torch.Tensor, mode: str) -> torch.Tensor | None:
-    """What vLLM's CPU path returns beside the tokens for ``mode``, where top-k and top-p are off."""
+    """What vLLM's CPU path returns beside the tokens for ``mode``, given the logits after top-k and top-p."""
     if mode == "processed_logits":
         return logits
     if mode == "processed_logprobs":
