@@ -14,7 +14,8 @@ arguments it reads each step. Each round sends the same ``--requests`` chat prom
 alternating order, greedy with ``ignore_eos`` to ``--max-tokens`` each: a decode-speed measurement,
 the same tokens on both sides. ``--temperature`` above 0 samples instead (the same number of tokens,
 not the same ones): the core then draws with its CPU sampler (``--cpu-sampler``, ``engine.cpu_sampler``)
-and the bare engine with vLLM's. The ratio is core / bare output tokens per second, per round.
+and the bare engine with vLLM's, both after ``--top-k`` / ``--top-p`` where given. The ratio is core / bare
+output tokens per second, per round.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="0: greedy (the same tokens in both arms); above 0: random sampling at it")
     parser.add_argument("--cpu-sampler", choices=("inverse_cdf", "vllm"), default="inverse_cdf",
                         help="the core's engine.cpu_sampler (random sampling only)")
+    parser.add_argument("--top-k", type=int, default=None, help="every request's top_k (random sampling only)")
+    parser.add_argument("--top-p", type=float, default=None, help="every request's top_p (random sampling only)")
     parser.add_argument("--out", default="docs/results/core-overhead")
     args = parser.parse_args(argv)
     if not args.with_plugin:  # before vLLM loads its plugins: vLLM's own CPU attention in both arms
@@ -75,13 +78,14 @@ def main(argv: list[str] | None = None) -> int:
                                                     "disable_log_stats": True}))
     requests = [EntropicChatCompletionRequest(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                               max_tokens=args.max_tokens, temperature=args.temperature,
-                                              ignore_eos=True)
+                                              top_k=args.top_k, top_p=args.top_p, ignore_eos=True)
                 for i in range(args.requests)]
     from workers.prompts import prompt_token_ids
 
     prompt_ids = [prompt_token_ids("chat", r, core.runner.tokenizer) for r in requests]
+    filters = {k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.DELTA, **filters)
 
     def run_bare(tag: str) -> float:
         for i, ids in enumerate(prompt_ids):
@@ -122,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             f"dtype {m['cpu_dtype_auto']}, {args.threads} engine threads, max_num_seqs {args.max_num_seqs}.", "",
             f"{args.requests} chat requests x {args.max_tokens} tokens ("
             + ("greedy" if args.temperature == 0 else
-               f"sampled at temperature {args.temperature:g}, the core's CPU sampler {args.cpu_sampler}")
+               f"sampled at temperature {args.temperature:g}"
+               + "".join(f", {k} {v:g}" for k, v in filters.items())
+               + f", the core's CPU sampler {args.cpu_sampler}")
             + ", ignore_eos: decode speed), "
             f"{args.rounds} rounds, order alternated. Core: ReplicaCore.generate with telemetry "
             f"{'off' if args.no_telemetry else 'on'} (sampling control, pruning, π off); "

@@ -57,6 +57,8 @@ anyway):
 
 Sampling is each server's default for a request that names no temperature (``vllm bench serve`` no
 longer sends one): vLLM's generation defaults there, ours with the entropy temperature law on.
+``--client-args`` adds ``vllm bench serve``'s sampling options to every request, e.g. ``'--top-p 0.9'``:
+what a client sets, or a model's generation config sets by default.
 """
 from __future__ import annotations
 
@@ -207,7 +209,7 @@ def natural_dataset(path: Path, model_dir: str, n: int, tokens: int = NATURAL_TO
 
 
 def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdir: Path, tag: str,
-          natural: Path) -> dict:
+          natural: Path, client_args: Sequence[str] = ()) -> dict:
     out = workdir / f"{tag}.json"
     argv = [sys.executable, "-m", "loadtest.vllm_cli", "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{server.port}", "--model", model_name, "--tokenizer", model_dir,
@@ -216,7 +218,7 @@ def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdi
             *(("--ignore-eos",) if data.ignore_eos else ()), "--save-detailed", "--num-warmups", "2",
             "--seed", str(data.seed), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(workdir), "--result-filename", out.name]
+            "--save-result", "--result-dir", str(workdir), "--result-filename", out.name, *client_args]
     if data.name in NATURAL_SETS:
         argv += ["--dataset-path", str(natural)]
     with (workdir / "client.log").open("ab") as log:
@@ -386,7 +388,9 @@ def render(result: dict) -> str:
              f"vLLM {result['machine']['vllm']}; our dtype for `auto`: {result['machine']['cpu_dtype_auto']}", "",
              "Each cell: ours / vllm per round (servers alternate, one at a time), median [min-max] over "
              f"{result['rounds']} rounds. Throughput: higher is better for us above 1; times: lower is better "
-             "for us below 1. " + outputs_text(list(dict.fromkeys(c["set"] for c in result["cells"]))), "",
+             "for us below 1. " + outputs_text(list(dict.fromkeys(c["set"] for c in result["cells"])))
+             + (f" Every request with `{' '.join(result['client_args'])}` (`vllm bench serve`'s options)."
+                if result.get("client_args") else ""), "",
              "| pair / set | " + " | ".join(RATIO_NAMES[m] for m in RATIO_METRICS) + " | ours tok/s | vllm tok/s |",
              "|---|---|---|---|---|---|---|"]
     for key, entry in result["summary"].items():
@@ -470,11 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ours-config", type=json.loads, default={}, help="our AppConfig fields for our server "
                         "in every pair, as JSON, merged into the pair's (e.g. '{\"engine\": {\"borrow_min_context\": "
                         "12288}}'): a setting of ours against the same `vllm serve`")
+    parser.add_argument("--client-args", default="", help="more arguments for `vllm bench serve`, as one string: "
+                        "its sampling options for every request (e.g. '--top-p 0.9')")
     parser.add_argument("--ours-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment variables for "
                         "our server in every pair (e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Ray's throughput mode, "
                         "deployments/serve_env.py)")
     args = parser.parse_args(argv)
     ours_env = dict(item.split("=", 1) for item in args.ours_env)
+    client_args = shlex.split(args.client_args)
 
     from kernels.hardware import resolve_dtype
     from loadtest.machine import publish
@@ -515,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     for name in args.sets:
                         cell = drive(server, SETS[name], DEFAULT_MODEL_NAME, model_dir, workdir,
-                                     f"{pair}-{name}-{server.label}-{r}", natural)
+                                     f"{pair}-{name}-{server.label}-{r}", natural, client_args)
                         cell.update(pair=pair, set=name, server=server.label, round=r)
                         measured.append(cell)
                         print(json.dumps(cell), flush=True)
@@ -525,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                 if server is theirs:
                     ran[command] = (pair, measured)
     publish("loadtest.bench_serve", argv, args.out,
-            {"rounds": args.rounds, "cells": cells, "startup_s": startup, "servers": servers_seen,
+            {"rounds": args.rounds, "client_args": client_args, "cells": cells, "startup_s": startup,
+             "servers": servers_seen,
              "summary": summarize(cells)}, render)
     return 0
 

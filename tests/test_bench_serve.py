@@ -147,7 +147,8 @@ def test_vllm_serve_runs_once_a_round_for_the_pairs_that_give_it_the_same_comman
         started.append(log.name.removesuffix(".log"))
         return None, 1.0
 
-    def drive(server, data, model_name, model_dir, workdir, tag, natural):
+    def drive(server, data, model_name, model_dir, workdir, tag, natural, client_args):
+        assert client_args == ["--top-p", "0.9"], "both servers' client gets the same sampling options"
         return {**dict.fromkeys(METRICS, 1.0), "failed": 1 if server.label == "vllm" else 0,
                 "output_throughput": 100.0 if server.label == "vllm" else 100.0 + len(started)}
 
@@ -161,7 +162,8 @@ def test_vllm_serve_runs_once_a_round_for_the_pairs_that_give_it_the_same_comman
                                 "cpu": "x", "cpu_flags": "avx2", "cores": 2, "memory_gib": 1, "torch": "t",
                                 "vllm": "v", "cpu_dtype_auto": "bfloat16"}})))
     assert bench.main(["--pairs", "defaults", "matched", "--sets", "short", "--rounds", "2", "--variant",
-                       'no-borrow={"engine": {"borrow_serving_cores": false}}', "--out", str(tmp_path / "r")]) == 0
+                       'no-borrow={"engine": {"borrow_serving_cores": false}}', "--client-args", "--top-p 0.9",
+                       "--out", str(tmp_path / "r")]) == 0
     # the variant reuses matched's vllm serve in each round; the order within each pair alternates by round
     assert started == ["defaults-vllm-0", "defaults-ours-0", "matched-vllm-0", "matched-ours-0", "no-borrow-ours-0",
                        "defaults-ours-1", "defaults-vllm-1", "matched-ours-1", "matched-vllm-1", "no-borrow-ours-1"]
@@ -172,3 +174,4 @@ def test_vllm_serve_runs_once_a_round_for_the_pairs_that_give_it_the_same_comman
     assert "no-borrow/short / matched/short" in between_pairs(published)
     assert "no-borrow's are matched's runs" in published["text"]
     assert "Failed requests: 4 " in published["text"]  # vllm serve's failures counted once per run
+    assert "Every request with `--top-p 0.9`" in published["text"]
