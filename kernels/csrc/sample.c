@@ -126,13 +126,14 @@ int entropic_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64
  * mass, renormalized. So each row keeps the tokens with x >= tau for one threshold tau, which this finds; a
  * tie group at the top-p boundary is kept whole, where vLLM's sort keeps an arbitrary part of it.
  *
- * Finding tau: the tokens that can matter (x >= lo) go into NBINS bins by (m - x) * NBINS / (m - lo), which
- * keeps their order (a rounded subtraction and multiplication never swap two values), with a count and a
- * mass per bin. Walking the bins from the top finds the bin where the k-th token lies, or where the mass
- * passes p; only that bin's tokens are sorted. lo: for top-p alone, m - ln(vocab / (1 - p)) - 1, since the
- * tokens below it weigh less than (1 - p) / e of the max token's weight in all, so the nucleus lies above
- * it; with top-k, the highest of m - 16, m - 32, ... that has k tokens above it (the row's smallest finite
- * logit past m - 256), which holds the whole top-k set, and so the nucleus within it. */
+ * Finding tau: the tokens that can matter (x >= lo) go into NBINS bins by (m - x) * NBINS / (m - lo), in
+ * their order (rounded subtraction and multiplication are monotone), with a count and a mass per bin.
+ * Walking the bins from the top finds the bin where the k-th token lies, or where the mass passes p; only
+ * that bin's tokens are sorted. lo: for top-p alone, m + ln((1 - p) * A / vocab) - 1 with A
+ * the row's total weight, since the tokens below it weigh less than (1 - p) * A / e in all, so the nucleus
+ * lies above it; with top-k, the highest of m - 2, m - 4, ..., m - 256 with at least k tokens at or above
+ * it (else the row's smallest finite logit), which holds the whole top-k set, and so the nucleus within it.
+ * Bins can merge two close logits but never swap them, and ties always share a bin. */
 
 #define NBINS 2048
 
