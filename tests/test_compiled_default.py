@@ -102,8 +102,8 @@ def test_compiled_engine_runs_pruning_and_the_temperature_law(core):
 
 def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_through_vllm(core, monkeypatch):
     """workers/cpu_sampler.py on the shipped engine: steps of unseeded sampled requests draw with the kernel, after
-    the request's top-k and top-p where it sets them; a seeded request's steps are vLLM's, so its tokens are the
-    same on every run."""
+    the request's top-k and top-p where it sets them, and penalties go through their kernel; a seeded request's
+    steps are vLLM's, so its tokens are the same on every run."""
     import workers.cpu_sampler as module
 
     calls = []
@@ -122,6 +122,11 @@ def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_thro
     assert sum(len(d.token_ids) for d in nucleus) == 12 and len(filtered) == 12 and calls == []
     k, p = filtered[0]
     assert int(k[0]) == 40 and abs(float(p[0]) - 0.9) < 1e-6
+    penalized = []
+    kernel_penalties = module.apply_penalties
+    monkeypatch.setattr(module, "apply_penalties", lambda *a: penalized.append(a[5]) or kernel_penalties(*a))
+    _run(core, [{**poem, "repetition_penalty": 1.3, "frequency_penalty": 0.5}])
+    assert len(penalized) == 12 and [len(o) for o in penalized[-1]] == [11], "each step's penalties by the kernel"
     calls.clear()
     filtered.clear()
     seeded = [[t for d in deltas for t in d.token_ids] for deltas in (_run(core, [{**poem, "seed": 5}])[0],

@@ -9,18 +9,24 @@ ROWS, VOCAB = 4, 512
 
 
 def _metadata(max_num_logprobs: int | None = None, temperature: float = 0.5, generators: dict | None = None,
-              top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None):
-    """An all-random batch of ROWS rows without penalties, for vLLM's real Sampler (tests/test_cpu_sampler.py too)."""
+              top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None, penalties: dict | None = None):
+    """An all-random batch of ROWS rows, for vLLM's real Sampler (tests/test_cpu_sampler.py and
+    tests/test_cpu_penalties.py too); temperature 0: all greedy. ``penalties``: SamplingMetadata's penalty
+    fields (prompt_token_ids, the three penalties, output_token_ids), else none."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
     empty = torch.zeros(ROWS)
+    fields = {"no_penalties": True, "prompt_token_ids": None, "frequency_penalties": empty,
+              "presence_penalties": empty, "repetition_penalties": torch.ones(ROWS),
+              "output_token_ids": [[] for _ in range(ROWS)]}
+    if penalties is not None:
+        fields.update(penalties, no_penalties=False)
+    greedy = temperature == 0
     return SamplingMetadata(
-        temperature=torch.full((ROWS,), temperature), all_greedy=False, all_random=True, top_p=top_p, top_k=top_k,
-        generators=generators or {}, max_num_logprobs=max_num_logprobs, no_penalties=True, prompt_token_ids=None,
-        frequency_penalties=empty, presence_penalties=empty, repetition_penalties=torch.ones(ROWS),
-        output_token_ids=[[] for _ in range(ROWS)], allowed_token_ids_mask=None, bad_words_token_ids={},
-        logitsprocs=LogitsProcessors())
+        temperature=None if greedy else torch.full((ROWS,), temperature), all_greedy=greedy, all_random=not greedy,
+        top_p=top_p, top_k=top_k, generators=generators or {}, max_num_logprobs=max_num_logprobs,
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(), **fields)
 
 
 @pytest.fixture

@@ -30,7 +30,9 @@ Every touch of a vLLM internal, and where it is:
   it is ``forward_cpu``, called as ``(logits, generators, k, p)``, and returns what ``forward_cpu`` returns
   beside the tokens for each ``logprobs_mode``; it reproduces ``apply_top_k_top_p``'s rule, with per-row ``k``
   of the vocabulary size and ``p`` of 1 meaning off, as ``InputBatch`` fills them (behaviour, against vLLM's
-  own function: ``tests/test_cpu_sampler.py``).
+  own function: ``tests/test_cpu_sampler.py``); ``sparse_penalties`` replaces the instance's
+  ``Sampler.apply_penalties``, called as ``(logits, sampling_metadata, output_token_ids)``, and reproduces
+  ``apply_all_penalties`` (behaviour, bit for bit against it: ``tests/test_cpu_penalties.py``).
 """
 import inspect
 import os
@@ -443,6 +445,27 @@ def test_the_cpu_top_k_top_p_stage_our_sampler_replaces():
                  "logits_to_return = logits.log_softmax(dim=-1, dtype=torch.float32)", "fused_gumbel_argmax"):
         assert line in source, line
     assert source.index("logits = apply_top_k_top_p(logits, k, p)") < source.index("logits_to_return")
+
+
+def test_the_penalties_our_kernel_reproduces():
+    """kernels/csrc/penalties.c: repetition first (divide a positive logit, multiply another, for tokens of the
+    prompt or the output), then frequency times the output count, then presence; the sampler calls its
+    (static) ``apply_penalties`` through the instance with the step's output ids."""
+    from vllm._custom_ops import apply_repetition_penalties_torch
+    from vllm.model_executor.layers import utils
+    from vllm.v1.sample.sampler import Sampler
+
+    body = inspect.getsource(utils.apply_penalties)
+    order = ["apply_repetition_penalties(logits, prompt_mask, output_mask, repetition_penalties)",
+             "logits -= frequency_penalties.unsqueeze(dim=1) * output_bin_counts",
+             "logits -= presence_penalties.unsqueeze(dim=1) * output_mask"]
+    assert all(line in body for line in order) and sorted(order, key=body.index) == order
+    repetition = inspect.getsource(apply_repetition_penalties_torch)
+    assert "scaling = torch.where(logits > 0, 1.0 / penalties, penalties)" in repetition
+    assert "logits = self.apply_penalties(logits, sampling_metadata, output_token_ids)" in inspect.getsource(
+        Sampler.apply_logits_processors)
+    assert list(inspect.signature(Sampler.apply_penalties).parameters) == ["logits", "sampling_metadata",
+                                                                           "output_token_ids"]
 
 
 def test_the_top_k_top_p_rule_our_kernel_reproduces():

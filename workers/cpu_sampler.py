@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kernels.cpu_penalties import apply_penalties
 from kernels.cpu_sample import sample_rows, sample_rows_filtered
 
 _SEED_HIGH = 2**62  # any 64-bit values do: the kernel mixes each seed with SplitMix64
@@ -57,6 +58,27 @@ def inverse_cdf_sampling(sampler: Any) -> bool:
 
     inner.forward = forward
     return True
+
+
+def sparse_penalties(sampler: Any) -> None:
+    """Apply the repetition, frequency and presence penalties of ``sampler``'s steps with the C kernel
+    (kernels/cpu_penalties.py: vLLM's logits bit for bit, touching only each row's prompt and output tokens,
+    where vLLM's CPU path builds [rows, vocab] count tensors and passes over every logit several times; what
+    that costs a step is measured in docs/results/README.md). vLLM's own path wherever the kernel declines.
+    For CPU samplers: the caller installs it where ``inverse_cdf_sampling`` took the sampler."""
+    vllm_penalties = sampler.apply_penalties
+
+    def penalties(logits: torch.Tensor, sampling_metadata: Any, output_token_ids: list[list[int]]) -> torch.Tensor:
+        m = sampling_metadata
+        if m.no_penalties:
+            return logits
+        if m.prompt_token_ids is not None and apply_penalties(
+                logits, m.prompt_token_ids, m.presence_penalties, m.frequency_penalties, m.repetition_penalties,
+                output_token_ids):
+            return logits
+        return vllm_penalties(logits, sampling_metadata, output_token_ids)
+
+    sampler.apply_penalties = penalties
 
 
 def _processed(logits: torch.Tensor, mode: str) -> torch.Tensor | None:

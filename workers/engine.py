@@ -180,9 +180,10 @@ class EngineRunner:
         self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
         processed_logprobs_only_when_asked(model_runner(self.engine).sampler)
         if cpu_sampler == "inverse_cdf":
-            from workers.cpu_sampler import inverse_cdf_sampling
+            from workers.cpu_sampler import inverse_cdf_sampling, sparse_penalties
 
-            inverse_cdf_sampling(model_runner(self.engine).sampler)
+            if inverse_cdf_sampling(model_runner(self.engine).sampler):
+                sparse_penalties(model_runner(self.engine).sampler)
         self.step_threads = step_threads
         if step_threads is not None:
             wrap_forward(self.engine, step_threads)
