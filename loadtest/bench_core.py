@@ -14,8 +14,9 @@ arguments it reads each step. Each round sends the same ``--requests`` chat prom
 alternating order, greedy with ``ignore_eos`` to ``--max-tokens`` each: a decode-speed measurement,
 the same tokens on both sides. ``--temperature`` above 0 samples instead (the same number of tokens,
 not the same ones): the core then draws with its CPU sampler (``--cpu-sampler``, ``engine.cpu_sampler``)
-and the bare engine with vLLM's, both after ``--top-k`` / ``--top-p`` where given. The ratio is core / bare
-output tokens per second, per round.
+and the bare engine with vLLM's, both after ``--top-k`` / ``--top-p`` where given. The penalty options
+apply to both arms, greedy or sampled (the core's CPU sampler applies them with its kernel). The ratio is
+core / bare output tokens per second, per round.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import statistics as st
 import sys
 import time
 
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how photosynthesis works.",
            "Describe the city of Paris to a tourist.", "Write a poem about the ocean.",
            "List ten uses of a paperclip.", "Summarize the plot of a heist movie.",
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the core's engine.cpu_sampler (random sampling only)")
     parser.add_argument("--top-k", type=int, default=None, help="every request's top_k (random sampling only)")
     parser.add_argument("--top-p", type=float, default=None, help="every request's top_p (random sampling only)")
+    for name in PENALTIES:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"every request's {name}")
     parser.add_argument("--out", default="docs/results/core-overhead")
     args = parser.parse_args(argv)
     if not args.with_plugin:  # before vLLM loads its plugins: vLLM's own CPU attention in both arms
@@ -76,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     model = str(resolve_model(config.model))
     bare = LLMEngine.from_engine_args(EngineArgs(**{**engine.engine_kwargs(model, config.model),
                                                     "disable_log_stats": True}))
+    filters = {k: getattr(args, k) for k in ("top_k", "top_p", *PENALTIES) if getattr(args, k) is not None}
     requests = [EntropicChatCompletionRequest(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                               max_tokens=args.max_tokens, temperature=args.temperature,
-                                              top_k=args.top_k, top_p=args.top_p, ignore_eos=True)
+                                              ignore_eos=True, **filters)
                 for i in range(args.requests)]
     from workers.prompts import prompt_token_ids
 
     prompt_ids = [prompt_token_ids("chat", r, core.runner.tokenizer) for r in requests]
-    filters = {k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA, **filters)
 
@@ -126,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             f"dtype {m['cpu_dtype_auto']}, {args.threads} engine threads, max_num_seqs {args.max_num_seqs}.", "",
             f"{args.requests} chat requests x {args.max_tokens} tokens ("
             + ("greedy" if args.temperature == 0 else
-               f"sampled at temperature {args.temperature:g}"
-               + "".join(f", {k} {v:g}" for k, v in filters.items())
-               + f", the core's CPU sampler {args.cpu_sampler}")
+               f"sampled at temperature {args.temperature:g}, the core's CPU sampler {args.cpu_sampler}")
+            + "".join(f", {k} {v:g}" for k, v in filters.items())
             + ", ignore_eos: decode speed), "
             f"{args.rounds} rounds, order alternated. Core: ReplicaCore.generate with telemetry "
             f"{'off' if args.no_telemetry else 'on'} (sampling control, pruning, π off); "
