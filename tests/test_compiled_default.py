@@ -124,9 +124,10 @@ def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_thro
     assert int(k[0]) == 40 and abs(float(p[0]) - 0.9) < 1e-6
     penalized = []
     kernel_penalties = module.apply_penalties
-    monkeypatch.setattr(module, "apply_penalties", lambda *a: penalized.append(a[5]) or kernel_penalties(*a))
+    monkeypatch.setattr(module, "apply_penalties",
+                        lambda *a: penalized.append([len(o) for o in a[5]]) or kernel_penalties(*a))
     _run(core, [{**poem, "repetition_penalty": 1.3, "frequency_penalty": 0.5}])
-    assert len(penalized) == 12 and [len(o) for o in penalized[-1]] == [11], "each step's penalties by the kernel"
+    assert penalized == [[n] for n in range(12)], "each step's penalties by the kernel, with the outputs so far"
     calls.clear()
     filtered.clear()
     seeded = [[t for d in deltas for t in d.token_ids] for deltas in (_run(core, [{**poem, "seed": 5}])[0],
