@@ -1,4 +1,5 @@
-"""Random sampling on CPU by inverse CDF (kernels/csrc/sample.c) in place of vLLM's Gumbel-max.
+"""Random sampling on CPU by inverse CDF (kernels/csrc/sample.c) in place of vLLM's Gumbel-max, and vLLM's
+penalties in C (``sparse_penalties``, kernels/csrc/penalties.c) in place of its whole-batch tensor passes.
 
 vLLM's CPU sampler draws a token by Gumbel-max: a random number and two logs for every token of the
 vocabulary, for every row (``torch.ops._C.fused_gumbel_argmax``, vllm 0.32.0), on the engine's one thread,
