@@ -42,6 +42,18 @@ static uint64_t splitmix64(uint64_t x) {
 
 /* The row's max, or nan where some logit is nan (exp would weigh it 0 and the draw go on as if it were masked:
  * the callers decline such a row instead). */
+/* The uniform in [0, 1) that ``seed`` makes. */
+static inline double uniform(uint64_t seed) { return (double)(splitmix64(seed) >> 11) * 0x1.0p-53; }
+
+/* The block where the running sum of ``block_sums`` passes ``target`` (the last block at most), with the sum
+ * of the blocks before it in ``run``. */
+static inline int64_t walk_blocks(const float *block_sums, int64_t blocks, double target, double *run) {
+    int64_t b = 0;
+    *run = 0.0;
+    while (b < blocks - 1 && *run + block_sums[b] <= target) *run += block_sums[b++];
+    return b;
+}
+
 static float row_max(const float *x, int64_t vocab) {
     float m = -INFINITY;
     int64_t i = 0;
@@ -98,11 +110,9 @@ int entropic_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64
             total += block_sums[b];
         }
         if (!(total > 0.0) || !isfinite(total)) return -1;
-        const double u = (double)(splitmix64(seeds[r]) >> 11) * 0x1.0p-53; /* [0, 1) */
-        const double target = u * total;
-        double run = 0.0;
-        int64_t b = 0;
-        while (b < blocks - 1 && run + block_sums[b] <= target) run += block_sums[b++];
+        const double target = uniform(seeds[r]) * total;
+        double run;
+        const int64_t b = walk_blocks(block_sums, blocks, target, &run);
         int64_t start = b * BLOCK, end = start + BLOCK < vocab ? start + BLOCK : vocab, pick = -1;
         block_weights(x, start, end, m, e);
         for (int64_t i = start; i < end; i++) {
@@ -299,10 +309,9 @@ static int64_t draw_above(const float *x, const float *w, int64_t vocab, float t
         block_sums[b] = s;
         total += s;
     }
-    const double target = (double)(splitmix64(seed) >> 11) * 0x1.0p-53 * total;
-    double run = 0.0;
-    int64_t b = 0;
-    while (b < blocks - 1 && run + block_sums[b] <= target) run += block_sums[b++];
+    const double target = uniform(seed) * total;
+    double run;
+    const int64_t b = walk_blocks(block_sums, blocks, target, &run);
     const int64_t start = b * BLOCK, end = start + BLOCK < vocab ? start + BLOCK : vocab;
     int64_t pick = -1;
     for (int64_t i = start; i < end; i++) {
