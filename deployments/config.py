@@ -15,6 +15,13 @@ from deployments.cpu_plan import NodeResources, current_nodes, plan_replicas
 from workers.config import ReplicaConfig
 from workers.cpu_cores import threads_per_core
 
+# Serve's queue for the workers, per batch slot, unless max_queued_requests says otherwise. vllm serve and Ray
+# Serve queue without bound, and clients send bursts that assume it: `vllm bench serve` sends its 1000 requests
+# at once unless told otherwise. Twice the slots, the bound before this, refused most of a 256-request burst
+# that one replica then served faster than vllm serve served all of it (docs/results/README.md, the burst
+# rows); 64 per slot queues 1024 behind one replica of 16 slots, a bound against a runaway, not a burst.
+QUEUED_PER_SLOT = 64
+
 
 class AutoscalingConfig(BaseModel):
     """Serve autoscaling of the worker deployment (replaces ``num_replicas`` when set)."""
@@ -50,8 +57,8 @@ class AppConfig(ReplicaConfig):
                                 "instead of each as an item of the Serve call (deployments/token_channel.py)")
     max_queued_requests: int | None = Field(
         None, ge=-1, description="requests waiting in Serve's queue for a worker replica, per ingress replica; "
-        "past it, 503 with Retry-After. None: twice the engines' batch slots (2 x engine.max_num_seqs x replicas, "
-        "max_replicas with autoscaling); -1: unbounded")
+        "past it, 503 with Retry-After. None: 64 per batch slot (64 x engine.max_num_seqs x replicas, max_replicas "
+        "with autoscaling), so a client's burst waits its turn as in vllm serve; -1: unbounded")
     http: HttpConfig = Field(default_factory=HttpConfig)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM (deployments.server), how long requests "
                                    "in flight may run on while new ones get 503, before Serve shuts down")
@@ -114,7 +121,7 @@ class AppConfig(ReplicaConfig):
         """Serve's max_queued_requests for the worker deployment (``max_queued_requests`` resolved)."""
         if self.max_queued_requests is not None:
             return self.max_queued_requests
-        return 2 * self.engine.max_num_seqs * self.max_replicas()
+        return QUEUED_PER_SLOT * self.engine.max_num_seqs * self.max_replicas()
 
     def replica(self) -> ReplicaConfig:
         """The part of this config one replica runs with."""

@@ -47,6 +47,10 @@ anyway):
   request's 128 tokens share their steps with the next requests' 2048-token prefill chunks.
 - ``long-decode``: random tokens, 3900 in / 512 out, 8 requests at concurrency 8: all prompts arrive
   together, so after their prefill the steps only decode, at long context, where pruning acts.
+- ``burst``: ``vllm bench serve``'s own defaults (random tokens, 1024 in / 128 out, every request sent at once,
+  no ``--max-concurrency``) at 256 requests instead of its 1000, so that a round takes minutes, not an hour,
+  on a 2-core CPU: what a user who runs the client without options sees, admission and queueing included.
+  Not in the default ``--sets``.
 - ``natural``: ~3900 tokens of English prose (Python's own documentation, ``pydoc_data``, shipped with
   every Python) then an instruction, 128 out, 16 requests at concurrency 8: the pruning law sees the
   entropy of real text instead of random tokens.
@@ -91,7 +95,7 @@ class DataSet:
     name: str
     args: tuple[str, ...]
     num_prompts: int
-    concurrency: int
+    concurrency: int | None  # None: every request sent at once, as vllm bench serve does unless told otherwise
     # vllm bench serve draws random prompts from its seed alone: two sets of one seed begin with the same
     # tokens, and the second set driven on a server would be served from the first's prefix cache
     seed: int
@@ -112,6 +116,8 @@ SETS = {
                              "--random-output-len", "128"), 16, 8, 1),
     "long-decode": DataSet("long-decode", ("--dataset-name", "random", "--random-input-len", "3900",
                                            "--random-output-len", "512"), 8, 8, 2),
+    "burst": DataSet("burst", ("--dataset-name", "random", "--random-input-len", "1024",
+                               "--random-output-len", "128"), 256, None, 5),
     "natural": DataSet("natural", ("--dataset-name", "custom", "--custom-output-len", "128",
                                    "--skip-chat-template"), 16, 8, 3),
     "natural-eos": DataSet("natural-eos", ("--dataset-name", "custom", "--custom-output-len", "512"), 16, 8, 4,
@@ -213,7 +219,8 @@ def drive(server: Server, data: DataSet, model_name: str, model_dir: str, workdi
     out = workdir / f"{tag}.json"
     argv = [sys.executable, "-m", "loadtest.vllm_cli", "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{server.port}", "--model", model_name, "--tokenizer", model_dir,
-            *data.args, "--num-prompts", str(data.num_prompts), "--max-concurrency", str(data.concurrency),
+            *data.args, "--num-prompts", str(data.num_prompts),
+            *(("--max-concurrency", str(data.concurrency)) if data.concurrency is not None else ()),
             # per request: each gap between tokens (itl_shape) and, where outputs end at EOS, its length
             *(("--ignore-eos",) if data.ignore_eos else ()), "--save-detailed", "--num-warmups", "2",
             "--seed", str(data.seed), "--disable-tqdm",
@@ -399,7 +406,14 @@ def render(result: dict) -> str:
             return f"{st.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}]" if r else "n/a"
 
         tps = entry["output_throughput"]
-        lines.append(f"| {key} | " + " | ".join(cell(m) for m in RATIO_METRICS)
+        pair, data = key.split("/", 1)
+        # a failed request's tokens count nowhere, so a ratio over runs that lost requests compares unequal work
+        lost = {server: sum(c.get("failed") or 0 for c in result["cells"]
+                            if c["pair"] == pair and c["set"] == data and c["server"] == server)
+                for server in ("ours", "vllm")}
+        label = key + (f" ({lost['ours']} of ours failed, {lost['vllm']} of vllm's; the ratios count completed "
+                       "requests only)" if any(lost.values()) else "")
+        lines.append(f"| {label} | " + " | ".join(cell(m) for m in RATIO_METRICS)
                      + f" | {', '.join(f'{v:.0f}' for v in tps['ours'])} | {', '.join(f'{v:.0f}' for v in tps['vllm'])} |")
     between = between_pairs(result)
     if between:
@@ -464,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="NAME=JSON",
                         help="one more pair, NAME: `matched` with these AppConfig fields of our server merged in "
                         "(repeatable); runs after --pairs, against the same vllm serve as matched")
-    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    parser.add_argument("--sets", nargs="+", default=[s for s in SETS if s != "burst"], choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
     parser.add_argument("--vllm-args", default="", help="more arguments for `vllm serve` in every pair, as one "

@@ -23,6 +23,14 @@ def test_defaults_serve_the_default_model():
     assert named.engine.engine_kwargs("/m", "name", pruning=True)["block_size"] == 128
 
 
+def test_one_replica_takes_the_burst_vllm_bench_serve_sends_by_default_before_it_sheds():
+    """`vllm bench serve` sends 1000 requests at once unless told otherwise, and vllm serve queues them all:
+    one replica as shipped (its ongoing requests plus Serve's queue for it) holds that many before a 503."""
+    from vllm.benchmarks.datasets.datasets import DEFAULT_NUM_PROMPTS
+
+    config = AppConfig.model_validate({"num_replicas": 1})
+    assert config.max_ongoing_requests + config.queue_bound() >= DEFAULT_NUM_PROMPTS == 1000
+
 @pytest.mark.parametrize("raw,field", [
     ({"num_replicas": 0}, "num_replicas"),
     ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs"),

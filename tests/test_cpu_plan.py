@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from deployments.config import AppConfig
+from deployments.config import QUEUED_PER_SLOT, AppConfig
 from deployments.cpu_plan import RESERVED_CPUS, NodeResources, plan_replicas
 from workers.cpu_cores import available_cpus, engine_threads, threads_per_core
 
@@ -75,7 +75,7 @@ def test_a_resolved_config_is_validated_with_its_replica_count():
         config.resolved([NodeResources(4.0), NodeResources(4.0)])
     resolved = AppConfig.model_validate({}).resolved([NodeResources(0.0), NodeResources(6.0), NodeResources(6.0)])
     assert (resolved.num_replicas, resolved.num_cpus_per_replica, resolved.engine.cpu_threads) == (2, 5.0, 5)
-    assert resolved.queue_bound() == 2 * resolved.engine.max_num_seqs * 2
+    assert resolved.queue_bound() == QUEUED_PER_SLOT * resolved.engine.max_num_seqs * 2
 
 
 def test_engine_threads_leave_a_core_and_count_physical_cores():
