@@ -17,9 +17,9 @@ from workers.cpu_cores import threads_per_core
 
 # Serve's queue for the workers, per batch slot, unless max_queued_requests says otherwise. vllm serve and Ray
 # Serve queue without bound, and clients send bursts that assume it: `vllm bench serve` sends its 1000 requests
-# at once unless told otherwise. Twice the slots, the bound before this, refused most of a 256-request burst
-# that one replica then served faster than vllm serve served all of it (docs/results/README.md, the burst
-# rows); 64 per slot queues 1024 behind one replica of 16 slots, a bound against a runaway, not a burst.
+# at once unless told otherwise. Twice the slots, the bound before this, refused most of such a burst, which,
+# queued, one replica serves sooner than vllm serve does (docs/results/README.md, the burst rows); 64 per slot
+# queues 1024 behind one replica of 16 slots: a bound against a runaway client, not against a burst.
 QUEUED_PER_SLOT = 64
 
 
