@@ -32,10 +32,11 @@ Pairs (``--pairs``):
 
 - ``--variant NAME=JSON`` (repeatable): a pair named NAME, ``matched`` with these fields of our AppConfig
   merged into our server's (e.g. ``no-borrow='{"engine": {"borrow_serving_cores": false}}'``): a setting of
-  ours against another in the same rounds, without a scratch script.
+  ours against another in the same rounds, without a scratch script. With ``--variant-base defaults``, built on
+  ``defaults`` instead: a setting of ours against ``make serve`` as shipped and ``vllm serve``'s defaults.
 
 Where two pairs of a run use the same ``vllm serve`` (the same command and environment: ``defaults``,
-``serve-stock`` and ``serve-throughput``; ``matched``, ``layers-off``, ``unpinned`` and every variant), it runs
+``serve-stock``, ``serve-throughput``; ``matched``, ``layers-off``, ``unpinned``; every variant with its base), it runs
 once per round and its cells stand for each of those pairs, and the report also gives our server in the
 later pair against ours in the earlier one, round by round: two settings of ours compared directly.
 
@@ -51,6 +52,8 @@ anyway):
   no ``--max-concurrency``) at 256 requests instead of its 1000, so that a round takes minutes, not an hour,
   on a 2-core CPU: what a user who runs the client without options sees, admission and queueing included.
   Not in the default ``--sets``.
+- ``short-burst``: the same with ``short``'s 256-token prompts: decode outweighs prefill, so the batch size
+  (``max_num_seqs``) decides the throughput. Not in the default ``--sets``.
 - ``natural``: ~3900 tokens of English prose (Python's own documentation, ``pydoc_data``, shipped with
   every Python) then an instruction, 128 out, 16 requests at concurrency 8: the pruning law sees the
   entropy of real text instead of random tokens.
@@ -118,12 +121,15 @@ SETS = {
                                            "--random-output-len", "512"), 8, 8, 2),
     "burst": DataSet("burst", ("--dataset-name", "random", "--random-input-len", "1024",
                                "--random-output-len", "128"), 256, None, 5),
+    "short-burst": DataSet("short-burst", ("--dataset-name", "random", "--random-input-len", "256",
+                                           "--random-output-len", "128"), 256, None, 6),
     "natural": DataSet("natural", ("--dataset-name", "custom", "--custom-output-len", "128",
                                    "--skip-chat-template"), 16, 8, 3),
     "natural-eos": DataSet("natural-eos", ("--dataset-name", "custom", "--custom-output-len", "512"), 16, 8, 4,
                            ignore_eos=False),
 }
 NATURAL_SETS = ("natural", "natural-eos")
+BURST_SETS = ("burst", "short-burst")  # minutes per server and round: run when named
 NATURAL_TOKENS = 3900
 KV_CACHE_GIB = 2  # matched pair: both servers' KV cache (ours: engine.kv_cache_space_gib's default)
 NATURAL_INSTRUCTION = "\n\nSummarize the documentation above in one paragraph."
@@ -290,12 +296,12 @@ def pair_servers(pair: str, model_dir: str, model_name: str, dtype: str,
 
 
 def variant_servers(pair: str, variants: dict[str, dict], model_dir: str, model_name: str, dtype: str,
-                    vllm_args: Sequence[str] = ()) -> tuple[Server, Server]:
-    """``pair_servers``, where a pair named in ``variants`` is ``matched`` with those AppConfig fields merged
+                    vllm_args: Sequence[str] = (), base: str = "matched") -> tuple[Server, Server]:
+    """``pair_servers``, where a pair named in ``variants`` is ``base`` with those AppConfig fields merged
     into our server's."""
     if pair not in variants:
         return pair_servers(pair, model_dir, model_name, dtype, vllm_args)
-    ours, theirs = pair_servers("matched", model_dir, model_name, dtype, vllm_args)
+    ours, theirs = pair_servers(base, model_dir, model_name, dtype, vllm_args)
     ours.config = merged(ours.config or {}, variants[pair])
     return ours, theirs
 
@@ -478,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="NAME=JSON",
                         help="one more pair, NAME: `matched` with these AppConfig fields of our server merged in "
                         "(repeatable); runs after --pairs, against the same vllm serve as matched")
-    parser.add_argument("--sets", nargs="+", default=[s for s in SETS if s != "burst"], choices=list(SETS))
+    parser.add_argument("--variant-base", choices=("matched", "defaults"), default="matched",
+                        help="the pair every --variant is built on")
+    parser.add_argument("--sets", nargs="+", default=[s for s in SETS if s not in BURST_SETS], choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
     parser.add_argument("--vllm-args", default="", help="more arguments for `vllm serve` in every pair, as one "
@@ -517,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         ran: dict[str, tuple[str, list[dict]]] = {}  # this round's vllm serve runs: command -> (pair, cells)
         for pair in pairs:
             ours, theirs = variant_servers(pair, variants, model_dir, DEFAULT_MODEL_NAME, dtype,
-                                           shlex.split(args.vllm_args))
+                                           shlex.split(args.vllm_args), args.variant_base)
             if args.ours_config:
                 ours.config = merged(ours.config or {}, args.ours_config)
             ours.env.update(ours_env)

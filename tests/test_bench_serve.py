@@ -133,6 +133,14 @@ def test_a_variant_is_matched_with_our_fields_merged_against_matched_s_vllm_serv
             parse_variant(bad)
 
 
+def test_a_variant_on_defaults_is_make_serve_with_our_fields_against_vllm_serve_s_defaults():
+    fields = {"engine": {"max_num_seqs": 128}}
+    ours, theirs = variant_servers("big", {"big": fields}, "/models/m", "m", "bfloat16", base="defaults")
+    shipped_ours, shipped_theirs = pair_servers("defaults", "/models/m", "m", "bfloat16")
+    assert ours.config == fields and ours.argv == shipped_ours.argv
+    assert (theirs.argv, theirs.env) == (shipped_theirs.argv, shipped_theirs.env)
+
+
 def test_vllm_serve_runs_once_a_round_for_the_pairs_that_give_it_the_same_command(monkeypatch, tmp_path):
     """The round loop of main() with its servers and client replaced (named fakes: a real round starts
     servers for minutes): which servers start, in which order, and which cells each pair gets."""
