@@ -18,9 +18,9 @@ from workers.cpu_cores import threads_per_core
 # Serve's queue for the workers, per batch slot, unless max_queued_requests says otherwise. vllm serve and Ray
 # Serve queue without bound, and clients send bursts that assume it: `vllm bench serve` sends its 1000 requests
 # at once unless told otherwise. Twice the slots, the bound before this, refused most of such a burst, which,
-# queued, one replica serves sooner than vllm serve does (docs/results/README.md, the burst rows); 64 per slot
-# queues 1024 behind one replica of 16 slots: a bound against a runaway client, not against a burst.
-QUEUED_PER_SLOT = 64
+# queued, one replica serves sooner than vllm serve does (docs/results/README.md, the burst rows); 8 per slot
+# queues 1024 behind one replica of 128 slots: a bound against a runaway client, not against a burst.
+QUEUED_PER_SLOT = 8
 
 
 class AutoscalingConfig(BaseModel):
@@ -51,13 +51,14 @@ class AppConfig(ReplicaConfig):
         "auto", description='"auto": one per node with CPUs, or per num_gpus_per_replica GPUs '
         "(deployments/cpu_plan.py)")
     autoscaling: AutoscalingConfig | None = None
-    max_ongoing_requests: int = Field(64, ge=1, description="per worker replica; more wait in Serve's queue")
+    max_ongoing_requests: int = Field(256, ge=1, description="per worker replica, at least engine.max_num_seqs to "
+                                      "fill its batch; more wait in Serve's queue")
     token_channel: bool = Field(True, description="worker replicas send a stream's tokens after its first to the "
                                 "ingress replica over a TCP connection of its own, a step's tokens in one write, "
                                 "instead of each as an item of the Serve call (deployments/token_channel.py)")
     max_queued_requests: int | None = Field(
         None, ge=-1, description="requests waiting in Serve's queue for a worker replica, per ingress replica; "
-        "past it, 503 with Retry-After. None: 64 per batch slot (64 x engine.max_num_seqs x replicas, max_replicas "
+        "past it, 503 with Retry-After. None: 8 per batch slot (8 x engine.max_num_seqs x replicas, max_replicas "
         "with autoscaling), so a client's burst waits its turn as in vllm serve; -1: unbounded")
     http: HttpConfig = Field(default_factory=HttpConfig)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM (deployments.server), how long requests "

@@ -39,7 +39,7 @@ TEST_APP_CONFIG = {
     "dispatch": {"enabled": True, "max_queued": 8},
     "fault_injection": True,  # tests/test_reliability.py stops an engine loop from inside
     # Small enough that tests/test_reliability.py can overload the application with one burst: the dispatch
-    # queue's max_queued above bounds what waits; Serve's queue behind it keeps its default (64 per batch
+    # queue's max_queued above bounds what waits; Serve's queue behind it keeps its default (8 per batch
     # slot), which a burst of grants (at most the free slots) never fills
     "max_ongoing_requests": 24,
 }

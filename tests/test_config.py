@@ -37,7 +37,7 @@ def test_one_replica_takes_the_burst_vllm_bench_serve_sends_by_default_before_it
     ({"sampling": {"estimator": "guess"}}, "sampling.estimator"),
     ({"sampling": {"t_min": 2.0, "t_max": 1.0}}, "sampling"),
     ({"no_such_option": 1}, "no_such_option"),
-    ({"dispatch": {"enabled": True}, "max_queued_requests": 8}, "max_queued_requests"),  # 8 < 16 batch slots
+    ({"dispatch": {"enabled": True}, "max_queued_requests": 8}, "max_queued_requests"),  # 8 < 128 batch slots
     ({"dispatch": {"max_queued": 0}}, "dispatch.max_queued"),
 ])
 def test_invalid_values_name_the_field(raw, field):

@@ -68,10 +68,10 @@ def test_autoscaling_plans_one_replica_per_node():
 
 
 def test_a_resolved_config_is_validated_with_its_replica_count():
-    raw = {"dispatch": {"enabled": True}, "max_queued_requests": 16}  # the batch slots of one replica
+    raw = {"dispatch": {"enabled": True}, "max_queued_requests": 128}  # the batch slots of one replica
     config = AppConfig.model_validate(raw)
     assert config.resolved([NodeResources(4.0)]).num_replicas == 1
-    with pytest.raises(ValidationError, match="max_queued_requests"):  # two replicas hold 32 slots
+    with pytest.raises(ValidationError, match="max_queued_requests"):  # two replicas hold 256 slots
         config.resolved([NodeResources(4.0), NodeResources(4.0)])
     resolved = AppConfig.model_validate({}).resolved([NodeResources(0.0), NodeResources(6.0), NodeResources(6.0)])
     assert (resolved.num_replicas, resolved.num_cpus_per_replica, resolved.engine.cpu_threads) == (2, 5.0, 5)

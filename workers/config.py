@@ -28,7 +28,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_model_len: int = Field(8192, ge=16)
-    max_num_seqs: int = Field(16, ge=1, le=1024)
+    max_num_seqs: int = Field(128, ge=1, le=1024, description="most requests in one engine step; 128 is vllm serve's "
+                              "default on CPUs (its GPU default is 256)")
     max_num_batched_tokens: int | None = Field(None, ge=16)
     enforce_eager: bool = Field(False, description="False: vLLM's compiled mode (torch.compile on CPU, CUDA graphs "
                                 "on GPU), as vllm serve runs by default; the first start compiles for minutes and "
