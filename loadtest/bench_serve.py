@@ -482,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["defaults", "matched"], choices=PAIRS)
     parser.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="NAME=JSON",
-                        help="one more pair, NAME: `matched` with these AppConfig fields of our server merged in "
-                        "(repeatable); runs after --pairs, against the same vllm serve as matched")
+                        help="one more pair, NAME: --variant-base's pair with these AppConfig fields of our server "
+                        "merged in (repeatable); runs after --pairs, against the same vllm serve as that pair")
     parser.add_argument("--variant-base", choices=("matched", "defaults"), default="matched",
                         help="the pair every --variant is built on")
     parser.add_argument("--sets", nargs="+", default=[s for s in SETS if s not in BURST_SETS], choices=list(SETS))

@@ -31,6 +31,7 @@ def test_one_replica_takes_the_burst_vllm_bench_serve_sends_by_default_before_it
     config = AppConfig.model_validate({"num_replicas": 1})
     assert config.max_ongoing_requests + config.queue_bound() >= DEFAULT_NUM_PROMPTS == 1000
 
+
 @pytest.mark.parametrize("raw,field", [
     ({"num_replicas": 0}, "num_replicas"),
     ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs"),
