@@ -37,7 +37,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         else {"num_replicas": config.num_replicas})
     worker = EntropicWorker.options(  # type: ignore[attr-defined]
         **scaling,
-        max_ongoing_requests=config.max_ongoing_requests,
+        max_ongoing_requests=config.ongoing_bound(),
         max_queued_requests=config.queue_bound(),
         request_router_config=RequestRouterConfig(
             **({"request_router_class": router} if (router := request_router_class(config)) else {}),

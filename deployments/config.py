@@ -51,8 +51,9 @@ class AppConfig(ReplicaConfig):
         "auto", description='"auto": one per node with CPUs, or per num_gpus_per_replica GPUs '
         "(deployments/cpu_plan.py)")
     autoscaling: AutoscalingConfig | None = None
-    max_ongoing_requests: int = Field(256, ge=1, description="per worker replica, at least engine.max_num_seqs to "
-                                      "fill its batch; more wait in Serve's queue")
+    max_ongoing_requests: int | None = Field(None, ge=1, description="per worker replica; more wait in Serve's "
+                                             "queue. None: twice engine.max_num_seqs, so the batch can fill and as "
+                                             "many wait in the engine's own queue")
     token_channel: bool = Field(True, description="worker replicas send a stream's tokens after its first to the "
                                 "ingress replica over a TCP connection of its own, a step's tokens in one write, "
                                 "instead of each as an item of the Serve call (deployments/token_channel.py)")
@@ -117,6 +118,10 @@ class AppConfig(ReplicaConfig):
         if replicas == "auto":
             raise ValueError("num_replicas is unresolved: call resolved() first")
         return replicas
+
+    def ongoing_bound(self) -> int:
+        """Serve's max_ongoing_requests for the worker deployment (``max_ongoing_requests`` resolved)."""
+        return self.max_ongoing_requests if self.max_ongoing_requests is not None else 2 * self.engine.max_num_seqs
 
     def queue_bound(self) -> int:
         """Serve's max_queued_requests for the worker deployment (``max_queued_requests`` resolved)."""

@@ -29,7 +29,10 @@ def test_one_replica_takes_the_burst_vllm_bench_serve_sends_by_default_before_it
     from vllm.benchmarks.datasets.datasets import DEFAULT_NUM_PROMPTS
 
     config = AppConfig.model_validate({"num_replicas": 1})
-    assert config.max_ongoing_requests + config.queue_bound() >= DEFAULT_NUM_PROMPTS == 1000
+    assert config.ongoing_bound() + config.queue_bound() >= DEFAULT_NUM_PROMPTS == 1000
+    # a larger batch than shipped still fills: the replica takes twice its slots unless told otherwise
+    assert AppConfig.model_validate({"engine": {"max_num_seqs": 512}}).ongoing_bound() == 1024
+    assert AppConfig.model_validate({"max_ongoing_requests": 24}).ongoing_bound() == 24
 
 
 @pytest.mark.parametrize("raw,field", [
