@@ -15,6 +15,7 @@ from tests.test_sampler_logprobs import ROWS
 from tests.test_sampler_logprobs import _metadata as sampler_metadata
 
 DRAWS = 40_000
+NAMED = 24  # tokens counted one by one in the frequency test; the rest of the vocabulary is one more bin
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +23,6 @@ def _fixed_rng():
     """torch's default generator gives the random logits below and the seeds the Sampler's path draws: fixed, so
     every verdict is the same on every run."""
     torch.manual_seed(1234)
-NAMED = 24  # tokens counted one by one in the frequency test; the rest of the vocabulary is one more bin
 
 
 def _draw(row: torch.Tensor, draws: int = DRAWS, first_seed: int = 0) -> torch.Tensor:

@@ -40,8 +40,6 @@ static uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* The row's max, or nan where some logit is nan (exp would weigh it 0 and the draw go on as if it were masked:
- * the callers decline such a row instead). */
 /* The uniform in [0, 1) that ``seed`` makes. */
 static inline double uniform(uint64_t seed) { return (double)(splitmix64(seed) >> 11) * 0x1.0p-53; }
 
@@ -54,6 +52,8 @@ static inline int64_t walk_blocks(const float *block_sums, int64_t blocks, doubl
     return b;
 }
 
+/* The row's max, or nan where some logit is nan (exp would weigh it 0 and the draw go on as if it were masked:
+ * the callers decline such a row instead). */
 static float row_max(const float *x, int64_t vocab) {
     float m = -INFINITY;
     int64_t i = 0;
