@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the core's engine.cpu_sampler (random sampling only)")
     parser.add_argument("--top-k", type=int, default=None, help="every request's top_k (random sampling only)")
     parser.add_argument("--top-p", type=float, default=None, help="every request's top_p (random sampling only)")
+    parser.add_argument("--min-p", type=float, default=None, help="every request's min_p (random sampling only)")
     for name in PENALTIES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"every request's {name}")
     parser.add_argument("--out", default="docs/results/core-overhead")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(resolve_model(config.model))
     bare = LLMEngine.from_engine_args(EngineArgs(**{**engine.engine_kwargs(model, config.model),
                                                     "disable_log_stats": True}))
-    filters = {k: getattr(args, k) for k in ("top_k", "top_p", *PENALTIES) if getattr(args, k) is not None}
+    filters = {k: getattr(args, k) for k in ("top_k", "top_p", "min_p", *PENALTIES) if getattr(args, k) is not None}
     requests = [EntropicChatCompletionRequest(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                               max_tokens=args.max_tokens, temperature=args.temperature,
                                               ignore_eos=True, **filters)

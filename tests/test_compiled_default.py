@@ -102,9 +102,12 @@ def test_compiled_engine_runs_pruning_and_the_temperature_law(core):
 
 def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_through_vllm(core, monkeypatch):
     """workers/cpu_sampler.py on the shipped engine: steps of unseeded sampled requests draw with the kernel, after
-    the request's top-k and top-p where it sets them, and penalties go through their kernel; a seeded request's
-    steps are vLLM's, so its tokens are the same on every run."""
+    the request's top-k and top-p where it sets them, and its min-p in place of vLLM's min-p pass, and penalties go
+    through their kernel; a seeded request's steps are vLLM's, so its tokens are the same on every run."""
+    from vllm.v1.sample.logits_processor import MinPLogitsProcessor
+
     import workers.cpu_sampler as module
+    from workers import engine
 
     calls = []
     kernel = module.sample_rows
@@ -115,13 +118,19 @@ def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_thro
     assert sum(len(d.token_ids) for d in plain) == 12 and len(calls) == 12
     filtered = []
     kernel_filtered = module.sample_rows_filtered
-    monkeypatch.setattr(module, "sample_rows_filtered",
-                        lambda logits, seeds, k, p: filtered.append((k, p)) or kernel_filtered(logits, seeds, k, p))
+    monkeypatch.setattr(module, "sample_rows_filtered", lambda logits, seeds, k, p, mp=None: filtered.append(
+        (k, p, mp)) or kernel_filtered(logits, seeds, k, p, mp))
     calls.clear()
     nucleus, = _run(core, [{**poem, "top_p": 0.9, "top_k": 40}])
     assert sum(len(d.token_ids) for d in nucleus) == 12 and len(filtered) == 12 and calls == []
-    k, p = filtered[0]
-    assert int(k[0]) == 40 and abs(float(p[0]) - 0.9) < 1e-6
+    k, p, mp = filtered[0]
+    assert int(k[0]) == 40 and abs(float(p[0]) - 0.9) < 1e-6 and mp is None
+    min_p, = [q for q in engine.model_runner(core.runner.engine).input_batch.logitsprocs.all
+              if isinstance(q, MinPLogitsProcessor)]
+    assert min_p.apply is module._left_to_the_draw, "vLLM's min-p pass was not folded into the draw"
+    filtered.clear()
+    _run(core, [{**poem, "min_p": 0.2}])
+    assert len(filtered) == 12 and calls == [] and abs(float(filtered[0][2][0]) - 0.2) < 1e-6
     penalized = []
     kernel_penalties = module.apply_penalties
     monkeypatch.setattr(module, "apply_penalties",

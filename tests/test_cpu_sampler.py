@@ -1,10 +1,12 @@
 """Inverse-CDF sampling on CPU (kernels/csrc/sample.c, workers/cpu_sampler.py): draws from the softmax of the
-logits it is given, after vLLM's top-k/top-p rule where asked (boundary ties kept whole), and vLLM's real
-Sampler (no model) hands it every unseeded batch.
+logits it is given, after vLLM's min-p/top-k/top-p rule where asked (boundary ties kept whole), and vLLM's real
+Sampler (no model) hands it every unseeded batch, with vLLM's real min-p processor folded into the draw.
 
 Draws use fixed seeds, so every verdict is the same on every run; the frequency tests reject at p < 1e-6 and
 show they can reject by failing a distribution a little off the true one with the same draws."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -120,9 +122,9 @@ def samplers(monkeypatch):
         calls.append(("plain", tuple(logits.shape)))
         return plain(logits, seeds)
 
-    def counting_filtered(logits, seeds, k, p):
+    def counting_filtered(logits, seeds, k, p, min_p=None):
         calls.append(("filtered", tuple(logits.shape)))
-        return filtered(logits, seeds, k, p)
+        return filtered(logits, seeds, k, p, min_p)
 
     monkeypatch.setattr(module, "sample_rows", counting_plain)
     monkeypatch.setattr(module, "sample_rows_filtered", counting_filtered)
@@ -185,12 +187,104 @@ def test_top_k_and_top_p_batches_take_the_filtered_draw_with_vllms_mask_and_proc
     assert torch.allclose(got.logprobs_tensors.logprobs[:, 0], want, atol=1e-5)
 
 
-# --- top-k and top-p (entropic_sample_rows_filtered) -------------------------------------------------------------
-def _rule(row: torch.Tensor, k: int | None, p: float | None) -> float:
-    """The threshold of the kernel's rule, from a full sort in float64: vLLM's top-k (ties with the k-th kept),
-    then vLLM's top-p over the renormalized rest, a tie group at its boundary kept whole."""
+def _min_p_processors(values: list[float]):
+    """vLLM's ``LogitsProcessors`` holding its real min-p processor, its state set as its engine sets it for
+    ``len(values)`` requests with these min_p."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, MinPLogitsProcessor
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=len(values)))
+    processor = MinPLogitsProcessor(config, torch.device("cpu"), False)
+    processor.update_state(BatchUpdate(batch_size=len(values), removed=[], moved=[],
+                                       added=[(i, SamplingParams(min_p=v), [], []) for i, v in enumerate(values)]))
+    return LogitsProcessors([processor])
+
+
+MIN_P = [0.1, 0.0, 0.3, 0.05]  # one row without min-p
+
+
+def test_min_p_batches_take_the_filtered_draw_in_place_of_vllms_min_p_pass(samplers):
+    """float32 normal logits sit nowhere near the floor, so the kernel must mask what vLLM's min-p and top-k mask
+    (the processed logprobs renormalize over the kept set), and vLLM's min-p pass must not run first."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+    from vllm.v1.sample.sampler import Sampler
+
+    import workers.cpu_sampler as module
+
+    _, _, calls = samplers
+    ours, folded, shipped = Sampler(logprobs_mode="processed_logprobs"), _min_p_processors(MIN_P), _min_p_processors(MIN_P)
+    assert module.inverse_cdf_sampling(ours, folded)
+    logits = torch.randn(ROWS, VOCAB) * 2
+    for k in (None, torch.tensor([VOCAB, 40, VOCAB, 3], dtype=torch.int32)):
+        calls.clear()
+        meta = sampler_metadata(temperature=0.7, top_k=k, max_num_logprobs=0, logitsprocs=folded)
+        got = ours(logits.clone(), meta)
+        assert calls == [("filtered", (ROWS, VOCAB))]
+        tokens = got.sampled_token_ids[:, 0].long()
+        masked = apply_top_k_top_p_pytorch(shipped.argmax_invariant[0].apply(logits / 0.7), k, None)
+        assert bool((masked.gather(1, tokens[:, None]) > float("-inf")).all()), "a token outside vLLM's filter"
+        want = masked.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        assert torch.allclose(got.logprobs_tensors.logprobs[:, 0], want, atol=1e-5)
+        assert int((masked[1] > float("-inf")).sum()) == (VOCAB if k is None else 40), "row 1 has no min-p"
+
+
+def test_seeded_min_p_batches_are_left_to_vllm_with_its_min_p_applied(samplers):
+    from vllm.v1.sample.sampler import Sampler
+
+    import workers.cpu_sampler as module
+
+    _, _, calls = samplers
+    ours, shipped = Sampler(logprobs_mode="processed_logprobs"), Sampler(logprobs_mode="processed_logprobs")
+    folded = _min_p_processors(MIN_P)
+    assert module.inverse_cdf_sampling(ours, folded)
+    logits = torch.randn(ROWS, VOCAB) * 3
+    seeded = {0: torch.Generator().manual_seed(21)}
+    torch.manual_seed(5)
+    want = shipped(logits.clone(), sampler_metadata(generators=seeded, logitsprocs=_min_p_processors(MIN_P)))
+    seeded = {0: torch.Generator().manual_seed(21)}
+    torch.manual_seed(5)
+    got = ours(logits.clone(), sampler_metadata(generators=seeded, logitsprocs=folded))
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    assert calls == []
+
+
+def test_min_p_is_not_folded_where_another_argmax_invariant_processor_follows_it():
+    """A user's processor after vLLM's min-p would see the logits before min-p if the draw took it over."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor, LogitsProcessors
+    from vllm.v1.sample.sampler import Sampler
+
+    import workers.cpu_sampler as module
+
+    class UsersInvariantProcessor(LogitsProcessor):  # a stand-in for a plugin's processor: only its place matters
+        def __init__(self) -> None:
+            pass
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
+
+    min_p = _min_p_processors(MIN_P).argmax_invariant[0]
+    vllm_apply = min_p.apply
+    assert module.inverse_cdf_sampling(Sampler(), LogitsProcessors([min_p, UsersInvariantProcessor()]))
+    assert min_p.apply == vllm_apply
+    assert module.inverse_cdf_sampling(Sampler(), LogitsProcessors([min_p]))
+    assert min_p.apply != vllm_apply
+
+
+# --- min-p, top-k and top-p (entropic_sample_rows_filtered) -----------------------------------------------------
+def _rule(row: torch.Tensor, k: int | None, p: float | None, min_p: float | None = None) -> float:
+    """The threshold of the kernel's rule, from a full sort in float64: min-p's floor, then vLLM's top-k (ties
+    with the k-th kept), then vLLM's top-p over the renormalized rest, a tie group at its boundary kept whole."""
     x = row.double()
-    desc = torch.sort(x[x > float("-inf")], descending=True).values
+    floor = float(x.max()) + math.log(min_p) if min_p else float("-inf")
+    desc = torch.sort(x[(x > float("-inf")) & (x >= floor)], descending=True).values
     tau = float("-inf")
     if k is not None and k < desc.numel():
         tau = float(desc[k - 1])
@@ -201,7 +295,7 @@ def _rule(row: torch.Tensor, k: int | None, p: float | None) -> float:
         before = torch.cumsum(mass, 0) - mass  # each group's S_greater
         kept = before < p * mass.sum()
         tau = float(values[kept][-1])
-    return tau
+    return max(tau, floor)
 
 
 def _vllm_kept(rows: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor:
@@ -213,11 +307,12 @@ def _vllm_kept(rows: torch.Tensor, k: int | None, p: float | None) -> torch.Tens
     return apply_top_k_top_p_pytorch(rows.clone(), kt, pt) > float("-inf")
 
 
-def _filtered(rows: torch.Tensor, k: int | None, p: float | None, seeds: torch.Tensor | None = None):
+def _filtered(rows: torch.Tensor, k: int | None, p: float | None, seeds: torch.Tensor | None = None,
+              min_p: float | None = None):
     n = rows.shape[0]
     got = cpu_sample.sample_rows_filtered(
         rows, torch.arange(n) if seeds is None else seeds, None if k is None else torch.full((n,), k),
-        None if p is None else torch.full((n,), p))
+        None if p is None else torch.full((n,), p), None if min_p is None else torch.full((n,), min_p))
     assert got is not None
     return got
 
@@ -246,12 +341,40 @@ def test_the_threshold_is_vllms_filter_with_boundary_ties_kept_whole(real_logits
         assert int((rule != tau).sum()) <= 1, (rule, tau)  # one boundary within float rounding at most
 
 
+MIN_P_FILTERS = [(0.05, None, None), (0.3, None, None), (1.0, None, None), (0.05, 20, None), (0.1, None, 0.8),
+                 (0.02, 400, 0.95), (0.5, 3, 0.5), (1e-9, None, 0.9)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-rounded"])
+@pytest.mark.parametrize("min_p,k,p", MIN_P_FILTERS)
+def test_min_p_is_vllms_floor_under_the_threshold(real_logits, min_p, k, p, bf16):
+    """vLLM's min-p processor, then its top-k/top-p, on every position of a real paragraph at two temperatures:
+    the tokens kept differ from vLLM's only at the floor within float rounding (vLLM compares probabilities,
+    the kernel logits) or, beyond vLLM's, tied with the threshold at the top-p boundary."""
+    base = real_logits.to(torch.bfloat16).float() if bf16 else real_logits
+    for temperature in (0.6, 1.3):
+        rows = (base / temperature).contiguous()
+        n = rows.shape[0]
+        tokens, tau = _filtered(rows, k, p, min_p=min_p)
+        kept = rows >= tau[:, None]
+        vllm = _vllm_kept(_min_p_processors([min_p] * n).argmax_invariant[0].apply(rows.clone()), k, p)
+        floor = rows.max(-1, keepdim=True).values + math.log(min_p)
+        near_floor = (rows - floor).abs() <= 1e-5 * floor.abs().clamp_min(1.0)
+        assert bool((vllm <= (kept | near_floor)).all()), "a token vLLM keeps was filtered out"
+        assert bool((kept <= (vllm | near_floor | (rows == tau[:, None]))).all()), "a token kept beyond vLLM's"
+        assert bool(kept.gather(1, tokens[:, None]).all())
+        rule = torch.tensor([_rule(r, k, p, min_p) for r in rows.double()], dtype=torch.float64)
+        differ = (rows.double() >= rule[:, None]) != kept  # the floor is no logit: compare the kept sets
+        assert int(differ.any(-1).sum()) <= 1, differ.nonzero()  # one boundary within float rounding at most
+
+
 def test_filtered_draws_follow_the_renormalized_kept_distribution(real_logits):
     row = real_logits[5].contiguous()
-    for k, p in ((None, 0.9), (30, None), (30, 0.95)):
+    for k, p, min_p in ((None, 0.9, None), (30, None, None), (30, 0.95, None), (None, None, 0.02), (None, 0.9, 0.05)):
         rows = row.expand(1000, -1).contiguous()
-        tokens = torch.cat([_filtered(rows, k, p, torch.arange(s, s + 1000))[0] for s in range(0, DRAWS, 1000)])
-        tau = _rule(row, k, p)
+        tokens = torch.cat([_filtered(rows, k, p, torch.arange(s, s + 1000), min_p)[0]
+                            for s in range(0, DRAWS, 1000)])
+        tau = _rule(row, k, p, min_p)
         target = row.masked_fill(row < tau, float("-inf"))
         assert int((row >= tau).sum()) > 3, "the filter must leave something to test"
         assert _chi2_p(tokens, target) > 1e-6
@@ -285,4 +408,7 @@ def test_the_filtered_kernel_declines_what_it_cannot_draw_from():
     rows = torch.randn(2, 64)
     rows[1, 3] = float("nan")
     assert cpu_sample.sample_rows_filtered(rows, torch.arange(2), None, torch.full((2,), 0.9)) is None
+    assert cpu_sample.sample_rows_filtered(rows, torch.arange(2), None, None, torch.full((2,), 0.1)) is None
     assert cpu_sample.sample_rows_filtered(rows[:1], torch.arange(1), torch.full((2,), 5), None) is None
+    assert cpu_sample.sample_rows_filtered(rows[:1], torch.arange(1), None, None, torch.full((2,), 0.1)) is None
+    assert cpu_sample.sample_rows_filtered(rows[:1], torch.arange(1), None, None, torch.full((1,), 1.5)) is None

@@ -9,10 +9,12 @@ ROWS, VOCAB = 4, 512
 
 
 def _metadata(max_num_logprobs: int | None = None, temperature: float = 0.5, generators: dict | None = None,
-              top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None, penalties: dict | None = None):
+              top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None, penalties: dict | None = None,
+              logitsprocs=None):
     """An all-random batch of ROWS rows, for vLLM's real Sampler (tests/test_cpu_sampler.py and
     tests/test_cpu_penalties.py too); temperature 0: all greedy. ``penalties``: SamplingMetadata's penalty
-    fields (prompt_token_ids, the three penalties, output_token_ids), else none."""
+    fields (prompt_token_ids, the three penalties, output_token_ids), else none; ``logitsprocs``: vLLM's
+    ``LogitsProcessors``, else none."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
@@ -26,7 +28,8 @@ def _metadata(max_num_logprobs: int | None = None, temperature: float = 0.5, gen
     return SamplingMetadata(
         temperature=None if greedy else torch.full((ROWS,), temperature), all_greedy=greedy, all_random=not greedy,
         top_p=top_p, top_k=top_k, generators=generators or {}, max_num_logprobs=max_num_logprobs,
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(), **fields)
+        allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors() if logitsprocs is None else logitsprocs, **fields)
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ Every touch of a vLLM internal, and where it is:
   it is ``forward_cpu``, called as ``(logits, generators, k, p)``, and returns what ``forward_cpu`` returns
   beside the tokens for each ``logprobs_mode``; it reproduces ``apply_top_k_top_p``'s rule, with per-row ``k``
   of the vocabulary size and ``p`` of 1 meaning off, as ``InputBatch`` fills them (behaviour, against vLLM's
-  own function: ``tests/test_cpu_sampler.py``); ``sparse_penalties`` replaces the instance's
+  own function: ``tests/test_cpu_sampler.py``), and, given the input batch's ``LogitsProcessors``, takes over
+  ``MinPLogitsProcessor.apply`` and reproduces its rule in the same draw; ``sparse_penalties`` replaces the instance's
   ``Sampler.apply_penalties``, called as ``(logits, sampling_metadata, output_token_ids)``, and reproduces
   ``apply_all_penalties`` (behaviour, bit for bit against it: ``tests/test_cpu_penalties.py``).
 """
@@ -484,6 +485,32 @@ def test_the_top_k_top_p_rule_our_kernel_reproduces():
     for line in ("self.top_p_cpu[req_index] = sampling_params.top_p", "if 0 < top_k < self.vocab_size:",
                  "top_k = self.vocab_size", "self.top_k_cpu[req_index] = top_k"):
         assert line in add, line
+
+
+def test_the_min_p_processor_our_draw_takes_over():
+    """workers/cpu_sampler.py folds vLLM's min-p into the kernel's threshold: ``Sampler.sample`` applies the
+    argmax-invariant processors (vLLM's own first, min-p the last of them) right before its top-k/top-p stage and
+    nowhere else; the processor keeps ``min_p_count`` and its rows' ``min_p`` as a [rows, 1] tensor, 0 meaning off,
+    and masks the tokens whose probability is below min_p times the row's largest."""
+    from vllm.v1.sample import logits_processor
+    from vllm.v1.sample.logits_processor import MinPLogitsProcessor
+    from vllm.v1.sample.sampler import Sampler
+
+    sample = inspect.getsource(Sampler.sample)
+    loop = "for processor in sampling_metadata.logitsprocs.argmax_invariant:\n            logits = processor.apply(logits)"
+    assert loop in sample and sample.index(loop) < sample.index("self.topk_topp_sampler(")
+    between = sample[sample.index(loop) + len(loop):sample.index("self.topk_topp_sampler(")]
+    assert "logits" not in between.replace("random_sampled, processed_logprobs = ", ""), between
+    others = [p for p in Path(inspect.getfile(Sampler)).parent.rglob("*.py")
+              if "logitsprocs.argmax_invariant" in p.read_text() and p.name != "sampler.py"]
+    assert others == [], others
+    assert logits_processor.BUILTIN_LOGITS_PROCESSORS[-1] is MinPLogitsProcessor  # custom ones come after
+    update, apply = inspect.getsource(MinPLogitsProcessor.update_state), inspect.getsource(MinPLogitsProcessor.apply)
+    for line in ("if not self.min_p_count:", "max_probabilities = torch.amax(probability_values, dim=-1, keepdim=True)",
+                 "adjusted_min_p = max_probabilities.mul_(self.min_p)",
+                 "invalid_token_mask = probability_values < adjusted_min_p"):
+        assert line in apply, line
+    assert "self.min_p.unsqueeze_(1)" in update and "self.min_p = self.min_p_device[:size]" in update
 
 
 def test_the_forward_pass_our_step_threads_widen():

@@ -62,11 +62,13 @@ class EngineConfig(BaseModel):
     cpu_sampler: Literal["inverse_cdf", "vllm"] = Field(
         "inverse_cdf", description="CPU only: how a randomly sampled token is drawn in a step where no request "
         "has a seed of its own, and how penalties are applied. inverse_cdf: one exp per vocabulary token, in one C "
-        "call, after top-k/top-p found without sorting the vocabulary, and repetition/frequency/presence "
-        "penalties applied to each row's prompt and output tokens alone (workers/cpu_sampler.py); vllm: vLLM's "
-        "paths (a sort for top-p, Gumbel-max with a random number and two logs per token, penalties over the "
+        "call, after min-p/top-k/top-p found without a softmax or a sort of the vocabulary, and "
+        "repetition/frequency/presence penalties applied to each row's prompt and output tokens alone "
+        "(workers/cpu_sampler.py); vllm: vLLM's paths (a softmax for min-p, a sort for top-p, Gumbel-max with a "
+        "random number and two logs per token, penalties over the "
         "whole batch). The same distribution and penalized logits either way, but for exact ties at the top-p "
-        "boundary, which inverse_cdf keeps whole; seeded steps always sample with vLLM's path")
+        "boundary, which inverse_cdf keeps whole, and tokens within float rounding of the min-p cut; seeded steps "
+        "always sample with vLLM's path")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
         "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "

@@ -12,7 +12,10 @@ Steps where some request sets top-k or top-p take the same draw after the same f
 vLLM's sort of the whole vocabulary (which, for top-p, costs more than a short-context decode step; measured
 in docs/results/README.md): each row keeps its tokens with logit >= one threshold, as vLLM's rule does,
 except that a tie group at the top-p boundary is kept whole where vLLM's unstable sort keeps an arbitrary
-part of it (kernels/csrc/sample.c).
+part of it (kernels/csrc/sample.c). Min-p joins that filter too: vLLM applies it as a logits processor just
+before its top-k/top-p stage (a softmax, a max and a mask over every row); given that processor, its
+``apply`` is taken over here and its rule, x >= max x + ln(min_p), becomes the kernel's floor, where the
+row's max is already at hand. Where the kernel does not draw, vLLM's own ``apply`` runs first, as before.
 
 Only where no request of the step has a seed of its own (``generators`` empty: a seeded request keeps
 vLLM's seeded stream) and vLLM's float64 Gumbel option is off.
@@ -32,33 +35,61 @@ from kernels.cpu_sample import sample_rows, sample_rows_filtered
 _SEED_HIGH = 2**62  # any 64-bit values do: the kernel mixes each seed with SplitMix64
 
 
-def inverse_cdf_sampling(sampler: Any) -> bool:
+def inverse_cdf_sampling(sampler: Any, logitsprocs: Any = None) -> bool:
     """Route the CPU random draws of ``sampler`` (the model runner's ``Sampler``) through the kernel, where
-    they qualify (above). False, and nothing changed, where its top-k/top-p stage is not vLLM's CPU path."""
+    they qualify (above), with min-p folded in when ``logitsprocs`` (the input batch's ``LogitsProcessors``)
+    is given. False, and nothing changed, where its top-k/top-p stage is not vLLM's CPU path."""
     inner = sampler.topk_topp_sampler
     vllm_forward = inner.forward
     if getattr(vllm_forward, "__func__", None) is not type(inner).forward_cpu:
         return False
+    min_p = _foldable_min_p(logitsprocs)
+    vllm_min_p = _left_to_the_draw if min_p is None else min_p.apply
+    if min_p is not None:
+        min_p.apply = _left_to_the_draw
 
     def forward(logits: torch.Tensor, generators: dict[int, torch.Generator], k: torch.Tensor | None,
                 p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not generators and not inner.use_fp64_gumbel:
+        folded = min_p is not None and bool(min_p.min_p_count)
+        mp = min_p.min_p.reshape(-1) if folded else None  # [rows]; vLLM's is [rows, 1]
+        if not generators and not inner.use_fp64_gumbel and (mp is None or mp.shape[0] == logits.shape[0]):
             seeds = torch.randint(0, _SEED_HIGH, (logits.shape[0],), dtype=torch.int64)
-            if k is None and p is None:
+            if k is None and p is None and mp is None:
                 sampled = sample_rows(logits.to(torch.float32), seeds)
                 if sampled is not None:
                     return sampled, _processed(logits, inner.logprobs_mode)
             else:
-                filtered = sample_rows_filtered(logits.to(torch.float32), seeds, k, p)
+                filtered = sample_rows_filtered(logits.to(torch.float32), seeds, k, p, mp)
                 if filtered is not None:
                     sampled, thresholds = filtered
                     if inner.logprobs_mode in ("processed_logits", "processed_logprobs"):
                         logits = logits.masked_fill(logits < thresholds.unsqueeze(1), float("-inf"))
                     return sampled, _processed(logits, inner.logprobs_mode)
+        if folded:
+            logits = vllm_min_p(logits)
         return vllm_forward(logits, generators, k, p)
 
     inner.forward = forward
     return True
+
+
+def _foldable_min_p(logitsprocs: Any) -> Any:
+    """vLLM's min-p processor where its ``apply`` can move into the draw: the last argmax-invariant processor,
+    so that ``Sampler.sample`` calls the top-k/top-p stage right after it (no processor of ours or a user's
+    sees the logits in between); else None."""
+    if logitsprocs is None:
+        return None
+    from vllm.v1.sample.logits_processor import MinPLogitsProcessor
+
+    invariant = logitsprocs.argmax_invariant
+    if invariant and type(invariant[-1]) is MinPLogitsProcessor:
+        return invariant[-1]
+    return None
+
+
+def _left_to_the_draw(logits: torch.Tensor) -> torch.Tensor:
+    """The min-p processor's ``apply`` once folded: the draw that follows applies it (or vLLM's, if not)."""
+    return logits
 
 
 def sparse_penalties(sampler: Any) -> None:

@@ -182,8 +182,9 @@ class EngineRunner:
         if cpu_sampler == "inverse_cdf":
             from workers.cpu_sampler import inverse_cdf_sampling, sparse_penalties
 
-            if inverse_cdf_sampling(model_runner(self.engine).sampler):
-                sparse_penalties(model_runner(self.engine).sampler)
+            runner = model_runner(self.engine)
+            if inverse_cdf_sampling(runner.sampler, runner.input_batch.logitsprocs):
+                sparse_penalties(runner.sampler)
         self.step_threads = step_threads
         if step_threads is not None:
             wrap_forward(self.engine, step_threads)

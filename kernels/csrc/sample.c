@@ -128,13 +128,17 @@ int entropic_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64
     return 0;
 }
 
-/* ---- Top-k and top-p (entropic_sample_rows_filtered) ----
+/* ---- Min-p, top-k and top-p (entropic_sample_rows_filtered) ----
  *
- * vLLM's rule (apply_top_k_top_p_pytorch, pinned by tests/test_vllm_pins.py), without its sort of the whole
- * vocabulary: top-k keeps every token whose logit is at least the k-th largest (ties with it included); top-p
- * then keeps, of those, every token whose logit is below tokens that together carry less than p of their
- * mass, renormalized. So each row keeps the tokens with x >= tau for one threshold tau, which this finds; a
- * tie group at the top-p boundary is kept whole, where vLLM's sort keeps an arbitrary part of it.
+ * vLLM's rule (MinPLogitsProcessor, then apply_top_k_top_p_pytorch, pinned by tests/test_vllm_pins.py), without
+ * its softmax for min-p and its sort of the whole vocabulary: min-p keeps every token with probability at least
+ * min_p times the row's largest, i.e. x >= m + ln(min_p) (the floor; the two forms can differ by a rounding
+ * for a token at the floor); top-k keeps, of those, every token whose logit is at least the k-th largest (ties
+ * with it included; every one where fewer than k are left, as vLLM's top-k does over -inf); top-p then keeps,
+ * of those, every token whose logit is below tokens that together carry less than p of their mass,
+ * renormalized. So each row keeps the tokens with x >= tau for one threshold tau, which this finds; a tie
+ * group at the top-p boundary is kept whole, where vLLM's sort keeps an arbitrary part of it. Tokens below the
+ * floor weigh 0 from the start, so every mass below is the renormalized min-p distribution's.
  *
  * Finding tau: the tokens that can matter (x >= lo) go into NBINS bins by (m - x) * NBINS / (m - lo), in
  * their order (rounded subtraction and multiplication are monotone), with a count and a mass per bin.
@@ -142,7 +146,8 @@ int entropic_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64
  * that bin's tokens are sorted. lo: for top-p alone, m + ln((1 - p) * A / vocab) - 1 with A
  * the row's total weight, since the tokens below it weigh less than (1 - p) * A / e in all, so the nucleus
  * lies above it; with top-k, the highest of m - 2, m - 4, ..., m - 256 with at least k tokens at or above
- * it (else the row's smallest finite logit), which holds the whole top-k set, and so the nucleus within it.
+ * it (else the row's smallest finite logit), which holds the whole top-k set, and so the nucleus within it;
+ * in either case at least the floor, as nothing below it is kept.
  * Bins can merge two close logits but never swap them, and ties always share a bin. */
 
 #define NBINS 2048
@@ -158,12 +163,34 @@ static int cand_desc(const void *a, const void *b) {
     return (p->i > q->i) - (p->i < q->i);
 }
 
-/* w[i] = exp(x_i - m) for the whole row; returns their sum. */
-static double row_weights(const float *x, int64_t vocab, float m, float *w) {
+/* w[i] = exp(x_i - m) for the whole row, 0 where x_i < floor_x (min-p); returns their sum. */
+static double row_weights(const float *x, int64_t vocab, float m, float floor_x, float *w) {
     double total = 0.0;
+    const int floored = floor_x > -INFINITY;
     for (int64_t start = 0; start < vocab; start += BLOCK) {
         int64_t end = start + BLOCK < vocab ? start + BLOCK : vocab;
-        total += block_weights(x, start, end, m, w + start);
+        float s = block_weights(x, start, end, m, w + start);
+        if (floored) {
+            int64_t i = start;
+#if defined(__AVX2__) && defined(__FMA__)
+            if (end - start == BLOCK) {
+                const __m256 vf = _mm256_set1_ps(floor_x);
+                const __m256 a = _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vf, _CMP_GE_OQ),
+                                               _mm256_loadu_ps(w + i));
+                const __m256 c = _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i + 8), vf, _CMP_GE_OQ),
+                                               _mm256_loadu_ps(w + i + 8));
+                _mm256_storeu_ps(w + i, a);
+                _mm256_storeu_ps(w + i + 8, c);
+                s = hsum256(_mm256_add_ps(a, c));
+                i = end;
+            }
+#endif
+            if (i < end) {
+                s = 0.0f;
+                for (; i < end; i++) s += (w[i] = x[i] >= floor_x ? w[i] : 0.0f);
+            }
+        }
+        total += s;
     }
     return total;
 }
@@ -213,9 +240,12 @@ typedef struct {
     double mass[NBINS];
 } work_t;
 
-/* The threshold tau of one row (above); ``total`` is the sum of the row's weights in ws->w. */
-static float row_threshold(const float *x, int64_t vocab, float m, int64_t k, float p, double total, work_t *ws) {
+/* The threshold tau of one row (above): at least ``floor_x``; ``total`` is the sum of the row's weights in ws->w,
+ * those below the floor 0. */
+static float row_threshold(const float *x, int64_t vocab, float m, int64_t k, float p, float floor_x, double total,
+                           work_t *ws) {
     const int use_k = k > 0 && k < vocab, use_p = p < 1.0f;
+    if (!use_k && !use_p) return floor_x;
     float lo;
     if (use_k) {
         float r = 2.0f;
@@ -224,6 +254,7 @@ static float row_threshold(const float *x, int64_t vocab, float m, int64_t k, fl
     } else {
         lo = m + logf((1.0f - p) * (float)total / (float)vocab) - 1.0f;
     }
+    if (floor_x > lo) lo = floor_x;
     const float range = m - lo;
     const float scale = range > 0.0f ? (float)NBINS / range : 0.0f; /* 0: every live token ties with the max */
     memset(ws->count, 0, sizeof ws->count);
@@ -284,7 +315,7 @@ static float row_threshold(const float *x, int64_t vocab, float m, int64_t k, fl
             tau = v;
         }
     }
-    return tau;
+    return tau > floor_x ? tau : floor_x;
 }
 
 /* One draw from the weights of the tokens with x >= tau, by inverse CDF as entropic_sample_rows does. */
@@ -324,12 +355,13 @@ static int64_t draw_above(const float *x, const float *w, int64_t vocab, float t
     return pick;
 }
 
-/* As entropic_sample_rows, after top-k and top-p (above): top_k [rows] (k <= 0 or k >= vocab: off) and top_p
- * [rows] (p >= 1: off), either NULL when no row uses it. Writes each row's threshold into ``thresholds``
- * (-inf where the row keeps everything). Returns 0; -1 as entropic_sample_rows; -2 when out of memory. */
+/* As entropic_sample_rows, after min-p, top-k and top-p (above): min_p [rows] (<= 0: off), top_k [rows] (k <= 0
+ * or k >= vocab: off) and top_p [rows] (p >= 1: off), each NULL when no row uses it. Writes each row's threshold
+ * into ``thresholds`` (-inf where the row keeps everything). Returns 0; -1 as entropic_sample_rows (also for a
+ * min_p above 1 or nan); -2 when out of memory. */
 int entropic_sample_rows_filtered(const float *logits, int64_t rows, int64_t vocab, int64_t stride,
-                                  const uint64_t *seeds, const int64_t *top_k, const float *top_p,
-                                  float *block_sums, float *thresholds, int64_t *out) {
+                                  const uint64_t *seeds, const float *min_p, const int64_t *top_k,
+                                  const float *top_p, float *block_sums, float *thresholds, int64_t *out) {
     work_t *ws = malloc(sizeof(work_t));
     float *w = malloc((size_t)vocab * sizeof(float));
     int32_t *live = malloc((size_t)vocab * sizeof(int32_t));
@@ -348,22 +380,24 @@ int entropic_sample_rows_filtered(const float *logits, int64_t rows, int64_t voc
         const float *x = logits + r * stride;
         const int64_t k = top_k ? top_k[r] : vocab;
         const float p = top_p ? top_p[r] : 1.0f;
+        const float mp = min_p ? min_p[r] : 0.0f;
         thresholds[r] = -INFINITY;
-        if ((k <= 0 || k >= vocab) && !(p < 1.0f)) {
+        if ((k <= 0 || k >= vocab) && !(p < 1.0f) && !(mp > 0.0f)) {
             status = entropic_sample_rows(x, 1, vocab, stride, seeds + r, block_sums, out + r);
             continue;
         }
         const float m = row_max(x, vocab);
-        if (!(m > -INFINITY) || m == INFINITY || !(p > 0.0f)) {
+        if (!(m > -INFINITY) || m == INFINITY || !(p > 0.0f) || !(mp <= 1.0f)) {
             status = -1;
             break;
         }
-        const double total = row_weights(x, vocab, m, w);
+        const float floor_x = mp > 0.0f ? m + logf(mp) : -INFINITY;
+        const double total = row_weights(x, vocab, m, floor_x, w);
         if (!(total > 0.0) || !isfinite(total)) {
             status = -1;
             break;
         }
-        const float tau = row_threshold(x, vocab, m, k, p, total, ws);
+        const float tau = row_threshold(x, vocab, m, k, p, floor_x, total, ws);
         const int64_t pick = draw_above(x, w, vocab, tau, seeds[r], block_sums);
         if (pick < 0) {
             status = -1;
