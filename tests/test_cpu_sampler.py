@@ -231,6 +231,7 @@ def test_min_p_batches_take_the_filtered_draw_in_place_of_vllms_min_p_pass(sampl
 
 
 def test_seeded_min_p_batches_are_left_to_vllm_with_its_min_p_applied(samplers):
+    """The same tokens as vLLM's own, and the same processed logprobs, which renormalize over min-p's kept set."""
     from vllm.v1.sample.sampler import Sampler
 
     import workers.cpu_sampler as module
@@ -242,11 +243,15 @@ def test_seeded_min_p_batches_are_left_to_vllm_with_its_min_p_applied(samplers):
     logits = torch.randn(ROWS, VOCAB) * 3
     seeded = {0: torch.Generator().manual_seed(21)}
     torch.manual_seed(5)
-    want = shipped(logits.clone(), sampler_metadata(generators=seeded, logitsprocs=_min_p_processors(MIN_P)))
+    want = shipped(logits.clone(), sampler_metadata(generators=seeded, max_num_logprobs=0,
+                                                    logitsprocs=_min_p_processors(MIN_P)))
     seeded = {0: torch.Generator().manual_seed(21)}
     torch.manual_seed(5)
-    got = ours(logits.clone(), sampler_metadata(generators=seeded, logitsprocs=folded))
+    got = ours(logits.clone(), sampler_metadata(generators=seeded, max_num_logprobs=0, logitsprocs=folded))
     assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    assert torch.equal(got.logprobs_tensors.logprobs, want.logprobs_tensors.logprobs)
+    unmasked = torch.log_softmax(logits / 0.5, -1).gather(1, want.sampled_token_ids.long())
+    assert not torch.allclose(want.logprobs_tensors.logprobs[:, :1], unmasked, atol=1e-3), "min-p changed nothing"
     assert calls == []
 
 
@@ -271,11 +276,10 @@ def test_min_p_is_not_folded_where_another_argmax_invariant_processor_follows_it
             return logits
 
     min_p = _min_p_processors(MIN_P).argmax_invariant[0]
-    vllm_apply = min_p.apply
     assert module.inverse_cdf_sampling(Sampler(), LogitsProcessors([min_p, UsersInvariantProcessor()]))
-    assert min_p.apply == vllm_apply
+    assert "apply" not in vars(min_p)
     assert module.inverse_cdf_sampling(Sampler(), LogitsProcessors([min_p]))
-    assert min_p.apply != vllm_apply
+    assert min_p.apply is module._left_to_the_draw
 
 
 # --- min-p, top-k and top-p (entropic_sample_rows_filtered) -----------------------------------------------------

@@ -44,9 +44,8 @@ def inverse_cdf_sampling(sampler: Any, logitsprocs: Any = None) -> bool:
     if getattr(vllm_forward, "__func__", None) is not type(inner).forward_cpu:
         return False
     min_p = _foldable_min_p(logitsprocs)
-    vllm_min_p = _left_to_the_draw if min_p is None else min_p.apply
     if min_p is not None:
-        min_p.apply = _left_to_the_draw
+        min_p.apply = _left_to_the_draw  # on the instance: vLLM's own stays at type(min_p).apply
 
     def forward(logits: torch.Tensor, generators: dict[int, torch.Generator], k: torch.Tensor | None,
                 p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,7 +65,7 @@ def inverse_cdf_sampling(sampler: Any, logitsprocs: Any = None) -> bool:
                         logits = logits.masked_fill(logits < thresholds.unsqueeze(1), float("-inf"))
                     return sampled, _processed(logits, inner.logprobs_mode)
         if folded:
-            logits = vllm_min_p(logits)
+            logits = type(min_p).apply(min_p, logits)
         return vllm_forward(logits, generators, k, p)
 
     inner.forward = forward
