@@ -31,8 +31,8 @@ Every touch of a vLLM internal, and where it is:
   beside the tokens for each ``logprobs_mode``; it reproduces ``apply_top_k_top_p``'s rule, with per-row ``k``
   of the vocabulary size and ``p`` of 1 meaning off, as ``InputBatch`` fills them (behaviour, against vLLM's
   own function: ``tests/test_cpu_sampler.py``), and, given the input batch's ``LogitsProcessors``, takes over
-  ``MinPLogitsProcessor.apply`` and reproduces its rule in the same draw; ``sparse_penalties`` replaces the instance's
-  ``Sampler.apply_penalties``, called as ``(logits, sampling_metadata, output_token_ids)``, and reproduces
+  ``MinPLogitsProcessor.apply`` and reproduces its rule in the same draw; ``sparse_penalties`` replaces the
+  instance's ``Sampler.apply_penalties``, called as ``(logits, sampling_metadata, output_token_ids)``, and reproduces
   ``apply_all_penalties`` (behaviour, bit for bit against it: ``tests/test_cpu_penalties.py``).
 """
 import inspect
@@ -489,9 +489,10 @@ def test_the_top_k_top_p_rule_our_kernel_reproduces():
 
 def test_the_min_p_processor_our_draw_takes_over():
     """workers/cpu_sampler.py folds vLLM's min-p into the kernel's threshold: ``Sampler.sample`` applies the
-    argmax-invariant processors (vLLM's own first, min-p the last of them) right before its top-k/top-p stage and
-    nowhere else; the processor keeps ``min_p_count`` and its rows' ``min_p`` as a [rows, 1] tensor, 0 meaning off,
-    and masks the tokens whose probability is below min_p times the row's largest."""
+    argmax-invariant processors right before its top-k/top-p stage and nowhere else (min-p is the last of vLLM's
+    own processors, so the last of those unless a user adds one); the processor keeps ``min_p_count`` and its rows'
+    ``min_p`` as a [rows, 1] tensor, 0 meaning off, and masks the tokens whose probability is below min_p times the
+    row's largest."""
     from vllm.v1.sample import logits_processor
     from vllm.v1.sample.logits_processor import MinPLogitsProcessor
     from vllm.v1.sample.sampler import Sampler

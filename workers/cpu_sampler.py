@@ -87,7 +87,8 @@ def _foldable_min_p(logitsprocs: Any) -> Any:
 
 
 def _left_to_the_draw(logits: torch.Tensor) -> torch.Tensor:
-    """The min-p processor's ``apply`` once folded: the draw that follows applies it (or vLLM's, if not)."""
+    """The min-p processor's ``apply`` once folded: the draw that follows applies min-p (the kernel's floor, or
+    vLLM's ``apply`` where the kernel does not draw)."""
     return logits
 
 
