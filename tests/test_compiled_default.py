@@ -118,7 +118,7 @@ def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_thro
     assert sum(len(d.token_ids) for d in plain) == 12 and len(calls) == 12
     filtered = []
     kernel_filtered = module.sample_rows_filtered
-    monkeypatch.setattr(module, "sample_rows_filtered", lambda logits, seeds, k, p, mp=None: filtered.append(
+    monkeypatch.setattr(module, "sample_rows_filtered", lambda logits, seeds, k, p, mp: filtered.append(
         (k, p, mp)) or kernel_filtered(logits, seeds, k, p, mp))
     calls.clear()
     nucleus, = _run(core, [{**poem, "top_p": 0.9, "top_k": 40}])

@@ -122,7 +122,7 @@ def samplers(monkeypatch):
         calls.append(("plain", tuple(logits.shape)))
         return plain(logits, seeds)
 
-    def counting_filtered(logits, seeds, k, p, min_p=None):
+    def counting_filtered(logits, seeds, k, p, min_p):
         calls.append(("filtered", tuple(logits.shape)))
         return filtered(logits, seeds, k, p, min_p)
 
