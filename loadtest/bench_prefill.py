@@ -21,8 +21,9 @@ wall time of the batch. Arms:
 * ``core-fcfs``: ``core`` with scheduling off (vLLM's FCFS scheduler);
 * ``core-plain``: ``core`` with telemetry off (vLLM's engine as shipped behind the core's request path);
 * ``core-4k-pages``: ``core`` with torch's allocations on the kernel's default pages
-  (``THP_MEM_ALLOC_ENABLE=0``, as in ``vllm serve`` and the ``vllm`` arm; the replica asks for transparent
-  huge pages, workers/engine.py).
+  (``THP_MEM_ALLOC_ENABLE=0``, as in ``vllm serve`` and the ``vllm`` arm), whatever the replica's default;
+* ``core-huge-pages``: ``core`` with torch asking for transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, a
+  user's override of the replica's default, workers/engine.py).
 
 Each arm also records how long its engine took to build and start (``start_s``: loading, compiling from the
 cache, zeroing the KV cache).
@@ -44,9 +45,10 @@ from pathlib import Path
 
 from loadtest.stats import percentile
 
-ARMS = ("vllm", "core", "core-block128", "core-fcfs", "core-plain", "core-4k-pages")
-# Arms whose process keeps torch's allocations on the kernel's default pages, as `vllm serve` does
-_SMALL_PAGES = ("vllm", "core-4k-pages")
+ARMS = ("vllm", "core", "core-block128", "core-fcfs", "core-plain", "core-4k-pages", "core-huge-pages")
+# Arms whose process sets torch's THP_MEM_ALLOC_ENABLE (the kernel's default pages as `vllm serve` has them, or
+# huge pages) whatever the replica's default
+_PAGES = {"vllm": "0", "core-4k-pages": "0", "core-huge-pages": "1"}
 
 
 def _config(arm: str):
@@ -63,8 +65,8 @@ def run_arm(arm: str, prompts: list[str], max_tokens: int, concurrency: int | No
     None: all at once), time each request's tokens."""
     if arm == "vllm":
         os.environ["VLLM_PLUGINS"] = "none-of-ours"  # before vLLM loads its plugins
-    if arm in _SMALL_PAGES:
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "0"  # a user's override of ours, before torch is imported
+    if arm in _PAGES:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = _PAGES[arm]  # a user's override of ours, before torch is imported
     from workers.engine import configure_process_env
 
     config = _config(arm)

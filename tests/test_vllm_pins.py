@@ -357,11 +357,11 @@ def test_engine_env_keeps_a_users_overrides(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
-def test_engine_env_puts_torch_allocations_on_huge_pages():
-    """workers/engine.py sets torch's THP_MEM_ALLOC_ENABLE: in a process started with the engine's environment a
-    large tensor (as the KV cache and the weights are) lies on transparent huge pages, and a user's
-    THP_MEM_ALLOC_ENABLE=0 keeps the kernel's default pages. Child processes: torch reads the variable once,
-    at its first allocation."""
+def test_engine_env_keeps_default_pages_unless_a_user_asks_for_huge_ones():
+    """workers/engine.py sets torch's THP_MEM_ALLOC_ENABLE to its default: in a process started with the engine's
+    environment a large tensor (as the KV cache and the weights are) lies on the kernel's default pages, as in
+    `vllm serve`, and a user's THP_MEM_ALLOC_ENABLE=1 puts it on transparent huge pages. Child processes: torch
+    reads the variable once, at its first allocation."""
     import subprocess
     import sys
 
@@ -384,12 +384,12 @@ def test_engine_env_puts_torch_allocations_on_huge_pages():
         return int(out.stdout.split()[-1])
 
     ours = engine_process_env(1, 1, overrides={})
-    assert ours["THP_MEM_ALLOC_ENABLE"] == "1"
-    assert huge_kib_of_64_mib(ours) >= 32 << 10  # most of the tensor; the rest can be its unaligned ends
-    users = engine_process_env(1, 1, overrides={"THP_MEM_ALLOC_ENABLE": "0"})
-    assert users["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert ours["THP_MEM_ALLOC_ENABLE"] == "0"
     if "[madvise]" in mode.read_text():  # in "always" mode every large mapping gets huge pages anyway
-        assert huge_kib_of_64_mib(users) < 32 << 10
+        assert huge_kib_of_64_mib(ours) < 32 << 10
+    users = engine_process_env(1, 1, overrides={"THP_MEM_ALLOC_ENABLE": "1"})
+    assert users["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert huge_kib_of_64_mib(users) >= 32 << 10  # most of the tensor; the rest can be its unaligned ends
 
 
 def test_each_engine_of_a_process_starts_with_its_own_environment():

@@ -44,11 +44,13 @@ def engine_process_env(cpu_threads: int, kv_cache_space_gib: int,
     * ``VLLM_USE_AOT_COMPILE=1`` (vLLM's default, said here because it is ours too): a start with the
       configuration of an earlier one loads the compiled model that start saved, without tracing it again.
       On CPU that load needs ``workers.aot_cache``, which the runner installs (docs/operations.md, start-up).
-    * ``THP_MEM_ALLOC_ENABLE=1``: torch's CPU allocator aligns allocations of 2 MiB and more to 2 MiB and
-      asks for transparent huge pages (``madvise``), which kernels in their default ``madvise`` mode grant
-      only when asked: the KV cache vLLM zeroes at start faults in 512x fewer pages, so the engine starts
-      sooner (docs/operations.md, start-up; step times did not change measurably, docs/results/). Read once,
-      at torch's first allocation: it must be in the environment before torch is imported.
+    * ``THP_MEM_ALLOC_ENABLE=0`` (torch's default, said here because a user may override it): the kernel's
+      default pages, as ``vllm serve`` has them. Transparent huge pages (``1``: torch aligns allocations of
+      2 MiB and more and asks for them) made no difference to step times beyond the spread, and on the
+      virtual machines this project runs on they made the engine's start twice as long: vLLM zeroes its whole
+      KV cache at start, and each huge page faulted in slower there than 512 small ones (docs/operations.md,
+      start-up; docs/results/). Read once, at torch's first allocation: a user's value must be in the
+      environment before torch is imported.
     """
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -57,7 +59,7 @@ def engine_process_env(cpu_threads: int, kv_cache_space_gib: int,
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
         "VLLM_USE_AOT_COMPILE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "THP_MEM_ALLOC_ENABLE": "1",
+        "THP_MEM_ALLOC_ENABLE": "0",
     }
     user = os.environ if overrides is None else overrides
     return {k: user.get(k, v) if k in _OVERRIDABLE else v for k, v in env.items()}
