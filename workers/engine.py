@@ -46,11 +46,11 @@ def engine_process_env(cpu_threads: int, kv_cache_space_gib: int,
       On CPU that load needs ``workers.aot_cache``, which the runner installs (docs/operations.md, start-up).
     * ``THP_MEM_ALLOC_ENABLE=0`` (torch's default, said here because a user may override it): the kernel's
       default pages, as ``vllm serve`` has them. Transparent huge pages (``1``: torch aligns allocations of
-      2 MiB and more and asks for them) made no difference to step times beyond the spread, and on the
-      virtual machines this project runs on they made the engine's start twice as long: vLLM zeroes its whole
-      KV cache at start, and each huge page faulted in slower there than 512 small ones (docs/operations.md,
-      start-up; docs/results/). Read once, at torch's first allocation: a user's value must be in the
-      environment before torch is imported.
+      2 MiB and more and asks for them) made no difference to step times beyond the spread on two CPU
+      families, shortened the engine's start by 5% on one and made it twice as long on the other: vLLM zeroes
+      its whole KV cache at start, and there each huge page faulted in slower than 512 small ones
+      (docs/operations.md, start-up; docs/results/). Read once, at torch's first allocation: a user's value
+      must be in the environment before torch is imported.
     """
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
