@@ -34,6 +34,9 @@ Pairs (``--pairs``):
   merged into our server's (e.g. ``no-borrow='{"engine": {"borrow_serving_cores": false}}'``): a setting of
   ours against another in the same rounds, without a scratch script. With ``--variant-base defaults``, built on
   ``defaults`` instead: a setting of ours against ``make serve`` as shipped and ``vllm serve``'s defaults.
+  ``--variant-env NAME=KEY=VALUE`` (repeatable) gives our server in variant NAME one more environment variable
+  (e.g. ``huge-pages='{}'`` with ``huge-pages=THP_MEM_ALLOC_ENABLE=1``): a setting that only the
+  environment reaches, against the base pair's server in the same rounds.
 
 Where two pairs of a run use the same ``vllm serve`` (the same command and environment: ``defaults``,
 ``serve-stock``, ``serve-throughput``; ``matched``, ``layers-off``, ``unpinned``; every variant with its base), it runs
@@ -306,6 +309,15 @@ def variant_servers(pair: str, variants: dict[str, dict], model_dir: str, model_
     return ours, theirs
 
 
+def parse_variant_env(text: str) -> tuple[str, str, str]:
+    """``NAME=KEY=VALUE`` (``--variant-env``) as the variant's name and one environment variable."""
+    name, _, rest = text.partition("=")
+    key, sep, value = rest.partition("=")
+    if not sep or not name or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=KEY=VALUE")
+    return name, key, value
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
     """``NAME=JSON`` (``--variant``) as the pair's name and its AppConfig fields."""
     name, sep, fields = text.partition("=")
@@ -486,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
                         "merged in (repeatable); runs after --pairs, against the same vllm serve as that pair")
     parser.add_argument("--variant-base", choices=("matched", "defaults"), default="matched",
                         help="the pair every --variant is built on")
+    parser.add_argument("--variant-env", action="append", type=parse_variant_env, default=[],
+                        metavar="NAME=KEY=VALUE", help="one more environment variable for our server in the "
+                        "--variant NAME (repeatable)")
     parser.add_argument("--sets", nargs="+", default=[s for s in SETS if s not in BURST_SETS], choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
@@ -503,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
                         "deployments/serve_env.py)")
     args = parser.parse_args(argv)
     ours_env = dict(item.split("=", 1) for item in args.ours_env)
+    variants = dict(args.variant)
+    variant_env: dict[str, dict[str, str]] = {}
+    for name, key, value in args.variant_env:
+        if name not in variants:
+            parser.error(f"--variant-env {name}={key}=...: no --variant {name}")
+        variant_env.setdefault(name, {})[key] = value
     client_args = shlex.split(args.client_args)
 
     from kernels.hardware import resolve_dtype
@@ -516,7 +537,6 @@ def main(argv: list[str] | None = None) -> int:
     if set(NATURAL_SETS) & set(args.sets):
         natural_dataset(natural, model_dir, max(SETS[s].num_prompts for s in NATURAL_SETS) + 2)  # + 2 warm-ups
     print(f"logs and raw results: {workdir}", flush=True)
-    variants = dict(args.variant)
     pairs = list(dict.fromkeys([*args.pairs, *variants]))
     cells: list[dict] = []
     startup: dict[str, list[float]] = {}
@@ -528,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                                            shlex.split(args.vllm_args), args.variant_base)
             if args.ours_config:
                 ours.config = merged(ours.config or {}, args.ours_config)
-            ours.env.update(ours_env)
+            ours.env.update({**ours_env, **variant_env.get(pair, {})})
             for server in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
                 key = f"{pair}/{server.label}"
                 servers_seen[key] = ([f"{k}={v}" for k, v in server.env.items()] if server is ours else []) + \

@@ -11,6 +11,7 @@ from loadtest.bench_serve import (
     output_lengths,
     pair_servers,
     parse_variant,
+    parse_variant_env,
     render,
     summarize,
     variant_servers,
@@ -183,3 +184,34 @@ def test_vllm_serve_runs_once_a_round_for_the_pairs_that_give_it_the_same_comman
     assert "no-borrow's are matched's runs" in published["text"]
     assert "Failed requests: 4 " in published["text"]  # vllm serve's failures counted once per run
     assert "Every request with `--top-p 0.9`" in published["text"]
+
+
+def test_a_variant_s_environment_reaches_its_server_only(monkeypatch, tmp_path):
+    """main() with servers and client replaced (named fakes, as above): the environment each server starts
+    with, where one variant adds a variable for ours."""
+    import loadtest.bench_serve as bench
+    import loadtest.machine
+    import workers.model_store
+
+    envs: dict[str, dict] = {}
+
+    def start(self, workdir, log):
+        envs[log.name.removesuffix(".log")] = dict(self.env)
+        return None, 1.0
+
+    monkeypatch.setattr(bench.Server, "start", start)
+    monkeypatch.setattr(bench, "stop", lambda proc, port: None)
+    monkeypatch.setattr(bench, "drive", lambda *a: {**dict.fromkeys(METRICS, 1.0), "failed": 0})
+    monkeypatch.setattr(workers.model_store, "resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr(loadtest.machine, "publish", lambda *a: None)
+    assert bench.main(["--pairs", "matched", "--sets", "long", "--rounds", "1", "--variant", "huge-pages={}",
+                       "--variant-env", "huge-pages=THP_MEM_ALLOC_ENABLE=1", "--out", str(tmp_path / "r")]) == 0
+    assert envs["huge-pages-ours-0"] == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert "THP_MEM_ALLOC_ENABLE" not in envs["matched-ours-0"] and "THP_MEM_ALLOC_ENABLE" not in envs["matched-vllm-0"]
+    assert "huge-pages-vllm-0" not in envs  # the variant's vllm serve is matched's
+    assert parse_variant_env("a=K=v=w") == ("a", "K", "v=w")
+    for bad in ("a", "a=K", "=K=v", "a==v"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant_env(bad)
+    with pytest.raises(SystemExit):  # an environment for a variant that is not there
+        bench.main(["--pairs", "matched", "--variant-env", "typo=K=v", "--out", str(tmp_path / "r")])
