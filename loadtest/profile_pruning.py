@@ -12,7 +12,8 @@ once; then a 1-token and an N-token batch run, and every figure is (what the N-t
 Wall-clock timers wrap the functions of the step that are ours or that pruning changes (a perf_counter pair
 per call, ~1 µs, against steps of tens of milliseconds):
 
-* ``attention``: vLLM's CPU attention (``CPUAttentionBackendImpl.forward``: cache write and kernel), every layer;
+* ``attention``: vLLM's CPU attention (``CPUAttentionBackendImpl.forward``; the cache write is an op of its own),
+  every layer, or our decode kernel (``kernels.cpu_decode_attention``) in the pure-decode steps it takes;
 * ``selection``: choosing each pruned layer's blocks (``_compacted_table``) without the key summaries;
 * ``summaries``: per-block key summaries computed for blocks that have none yet (C kernel or torch path);
 * ``layer wrapper``: the rest of our per-layer ``forward`` (the metadata copy, the plan lookup);
@@ -88,6 +89,7 @@ def install(timers: Timers, pruned: bool) -> None:
     from workers.sampling import EntropicLogitsProcessor
 
     timers.wrap(PrunedLayers, "forward", "layer total")
+    timers.wrap(pa, "decode_attention", "attention")  # our kernel, in steps where it runs instead of vLLM's
     timers.wrap(pa.PrunedCPUAttentionBackendImpl, "_compacted_table", "selection total")
     # the C kernel, and the torch path where the kernel declines: one part
     timers.wrap(pa, "summarize_into", "summaries")

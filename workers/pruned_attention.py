@@ -14,6 +14,10 @@ order, current block last) and the matching shorter sequence length.
   kernel the compacted table: one fused C call (kernels.cpu_select) where it builds, else the
   torch path (kernels.block_select), which selects the same blocks. Only *which* blocks varies
   by layer.
+* Attention of a step in which every row decodes one token (and at least one is pruned): our kernel
+  (kernels.cpu_decode_attention: bf16 dot products, online softmax, one pass over each kept block) where the
+  CPU has AVX512-BF16, the cache is bf16 and the engine runs one thread (``STATE.decode_kernel``, from
+  ``engine.pruned_decode_kernel``); else, and for every other step, vLLM's kernel.
 * Key summaries (per-channel min/max per block and KV head, in the cache's dtype) are computed lazily, for full
   blocks only, the first time a pruned row needs them (one C call reading the cache in place,
   kernels.cpu_summary, else the torch path), and dropped when a block's first slot is written
@@ -34,6 +38,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kernels.block_select import block_scores, select_blocks, summarize_blocks
+from kernels.cpu_decode_attention import decode_attention
 from kernels.cpu_select import select_into_table
 from kernels.cpu_summary import summarize_into
 from workers.pruning_plan import PrunedLayers, PrunePlan, PruningPlanner
@@ -102,6 +107,18 @@ def key_cache_view(kv_cache: torch.Tensor, isa: str) -> torch.Tensor:
 
 
 class PrunedCPUAttentionBackendImpl(PrunedLayers, CPUAttentionBackendImpl):
+    def _decode(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+                output: torch.Tensor) -> bool:
+        if (not STATE.decode_kernel or layer.isa != "vec" or metadata.max_query_len != 1
+                or metadata.num_actual_tokens != metadata.seq_lens.numel() or self.alibi_slopes is not None
+                or self.sinks is not None or self.sliding_window != -1 or self.logits_soft_cap
+                or self.kv_cache_dtype != "auto"):
+            return False
+        if not decode_attention(query, output, kv_cache, metadata.block_table, metadata.seq_lens, self.scale):
+            return False
+        STATE.stats.decode_kernel_layers += 1
+        return True
+
     def _compacted_table(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
                          plan: PrunePlan) -> torch.Tensor:
         isa = layer.isa  # set on each layer by vLLM's builder

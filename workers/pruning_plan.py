@@ -192,8 +192,17 @@ class PrunedLayers:
         metadata = copy.copy(attn_metadata)
         metadata.block_table = self._compacted_table(layer, query, kv_cache, plan)
         STATE.stats.selection_seconds += time.perf_counter() - started
+        if output_scale is None and output_block_scale is None and self._decode(layer, query, kv_cache, metadata,
+                                                                                output):
+            return output
         return super().forward(layer, query, key, value, kv_cache, metadata, output,  # type: ignore[misc]
                                output_scale, output_block_scale)
+
+    def _decode(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+                output: torch.Tensor) -> bool:
+        """A backend's own kernel for a pruned step's attention, where it has one and the step suits it; False
+        (nothing written): the vLLM backend's forward."""
+        return False
 
     def _prunes(self) -> bool:
         return self.attn_type == AttentionType.DECODER

@@ -75,6 +75,7 @@ class PruningStats:
         self.attention_flops_saved = 0.0
         self.kv_bytes_saved = 0.0
         self.selection_seconds = 0.0
+        self.decode_kernel_layers = 0  # layer calls our decode kernel answered instead of vLLM's
 
 
 class PruningState:
@@ -89,6 +90,9 @@ class PruningState:
         # The C kernels (selection: kernels.cpu_select, key summaries: kernels.cpu_summary); False runs the
         # torch path (benchmarks compare both).
         self.fused_selection = True
+        # Pure-decode steps with pruned rows attend with kernels.cpu_decode_attention where it runs (from
+        # engine.pruned_decode_kernel); False: vLLM's kernel.
+        self.decode_kernel = True
 
     def attach_rows(self, rows: dict[int, Any]) -> None:
         """The logits processor's live batch-index -> request-state map."""
