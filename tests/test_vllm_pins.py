@@ -562,7 +562,9 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads):
     seq_lens = torch.tensor([1, 63, 64, 700, 1950], dtype=torch.int32)
     per_row = [-(-int(n) // block_size) for n in seq_lens]
     blocks = sum(per_row) + 3
-    kv_cache = torch.zeros(blocks, kv_heads, block_size, 2 * d, dtype=torch.bfloat16)
+    # slots no token was written to hold nan for our kernel: a block's unwritten slots may hold anything, and must
+    # weigh nothing (vLLM's kernel reads them: it gets the cache with zeros there, as vLLM allocates it)
+    kv_cache = torch.full((blocks, kv_heads, block_size, 2 * d), float("nan"), dtype=torch.bfloat16)
     key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, d).chunk(2, dim=2)
     order = torch.randperm(blocks)[: sum(per_row)]
     table = torch.zeros(rows, max(per_row) + 2, dtype=torch.int32)
@@ -585,8 +587,9 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads):
         query_start_loc=query_start, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
         dynamic_causal=None, kv_cache_dtype="auto")
     expected = torch.zeros(rows, heads, d, dtype=torch.bfloat16)
+    zeroed_keys, zeroed_values = kv_cache.nan_to_num(0.0).view(blocks, kv_heads, 2 * block_size, d).chunk(2, dim=2)
     ops.cpu_attention_with_kv_cache(
-        query=query, key_cache=key_cache, value_cache=value_cache, output=expected, query_start_loc=query_start,
+        query=query, key_cache=zeroed_keys, value_cache=zeroed_values, output=expected, query_start_loc=query_start,
         seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
         softcap=0.0, scheduler_metadata=metadata, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
         kv_cache_dtype="auto")

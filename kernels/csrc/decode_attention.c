@@ -71,19 +71,21 @@ static inline __attribute__((always_inline)) BF16_DOT void dot_score32(int nh, c
     }
 }
 
-/* acc[h] (channels in unpack order, 32 per pair of vectors) += sum_t p[h][t] v[t]: token pairs interleaved,
- * pp: per head, bs/2 bf16 pairs (p[2i], p[2i+1]). */
+/* acc[h] (channels in unpack order, 32 per pair of vectors) += sum_t p[h][t] v[t] over the first `valid` tokens:
+ * token pairs interleaved, pp: per head, bs/2 bf16 pairs (p[2i], p[2i+1]). Rows past `valid` are never read:
+ * a block's unwritten slots may hold anything, and 0 x nan is nan. */
 static inline __attribute__((always_inline)) BF16_DOT void dot_accumulate32(int nh, const uint32_t *pp,
-                                                                            const uint16_t *values, int pairs, int d,
+                                                                            const uint16_t *values, int valid, int d,
                                                                             int c0, __m512 *acc) {
     __m512 a0[4], a1[4];
     for (int h = 0; h < nh; h++) {
         a0[h] = acc[h * (MAX_D / 16) + c0 / 16];
         a1[h] = acc[h * (MAX_D / 16) + c0 / 16 + 1];
     }
-    for (int i = 0; i < pairs; i++) {
+    for (int i = 0; 2 * i < valid; i++) {
         __m512i x = _mm512_loadu_si512(values + (int64_t)(2 * i) * d + c0);
-        __m512i y = _mm512_loadu_si512(values + (int64_t)(2 * i + 1) * d + c0);
+        __m512i y = 2 * i + 1 < valid ? _mm512_loadu_si512(values + (int64_t)(2 * i + 1) * d + c0)
+                                      : _mm512_setzero_si512();
         __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y), vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
         for (int h = 0; h < nh; h++) {
             __m512bh p2 = (__m512bh)_mm512_set1_epi32((int)pp[h * (MAX_BS / 2) + i]);
@@ -115,7 +117,7 @@ static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_
         const uint16_t *keys = (const uint16_t *)(cache_head + (int64_t)blocks[b] * block_span * 2);
         const uint16_t *values = keys + (int64_t)bs * d;
         int valid = n - b * bs < bs ? n - b * bs : bs;
-        if (b * bs + bs < n) { /* the next block's first lines, while this one computes */
+        if (b * bs + bs < n) { /* the next block, line by line, while this one computes */
             const char *next = cache_head + (int64_t)blocks[b + 1] * block_span * 2;
             for (int off = 0; off < 2 * bs * d * 2; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
         }
@@ -155,7 +157,7 @@ static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_
         for (int h0 = 0; h0 < g; h0 += 4) {
             int nh = g - h0 < 4 ? g - h0 : 4;
             for (int c0 = 0; c0 < d; c0 += 32)
-                DISPATCH_HEADS(nh, dot_accumulate32(n_, pp + h0 * (MAX_BS / 2), values, padded / 2, d, c0,
+                DISPATCH_HEADS(nh, dot_accumulate32(n_, pp + h0 * (MAX_BS / 2), values, valid, d, c0,
                                                     acc + h0 * (MAX_D / 16)))
         }
     }
