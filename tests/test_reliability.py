@@ -329,17 +329,27 @@ def test_an_engine_process_killed_from_outside_is_noticed_and_replaced(server):
     with cf.ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(_stream, server, f"Chapter {i}:", 300) for i in range(6)]
         deadline = time.time() + 90
+        seen: dict[tuple[str, str], int] = {}
         while True:  # the victim: a replica with a stream under way
             # a live replica's: the controller lists a replaced one (an earlier test's) for up to 30 s more, and
             # keeps the last report of one whose engine an earlier test failed while Serve replaces it (its
-            # engine process still up, its report stale: a live replica reports at least once a second)
-            under_way = [r for r, report in httpx.get(f"{server}/debug/requests").json().items()
-                         if r in pids and time.time() - report["sent_at"] < 2.0
-                         and any(s["generated"] for s in report.get("summaries", {}).values())]
+            # engine process still up, its report stale: a live replica reports at least once a second). And a
+            # stream that is growing: its generated count rose between two reads, which no entry left over
+            # from before can do (two CI mirrors picked a replica whose report was fresh, yet all six streams
+            # were elsewhere and completed after the kill)
+            under_way = []
+            for r, report in httpx.get(f"{server}/debug/requests").json().items():
+                if r not in pids or time.time() - report["sent_at"] >= 2.0:
+                    continue
+                for key, summary in report.get("summaries", {}).items():
+                    before = seen.get((r, key))
+                    seen[r, key] = summary["generated"]
+                    if before is not None and summary["generated"] > before and r not in under_way:
+                        under_way.append(r)
             if under_way:
                 break
             assert time.time() < deadline, "no stream got under way"
-            time.sleep(0.1)
+            time.sleep(0.3)
         victim = under_way[0]
         killed_at = time.time()
         os.kill(pids[victim], signal.SIGKILL)
