@@ -25,15 +25,21 @@ CSRC = Path(__file__).parent / "csrc"
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def _compile_flags() -> list[str]:
+# Libraries that spread their work over the engine's OpenMP threads; the others run on the calling thread
+OPENMP = frozenset({"decode_attention"})
+
+
+def _compile_flags(name: str, openmp: bool = True) -> list[str]:
     flags = ["-O3", "-shared", "-fPIC", "-std=c11"]
     if {"avx2", "fma"} <= cpu_flags():  # built where it runs (make install / first use), so the host's ISA is safe
         flags += ["-mavx2", "-mfma"]
+    if openmp and name in OPENMP:
+        flags.append("-fopenmp")
     return flags
 
 
 def library_path(name: str) -> Path:
-    flags = _compile_flags()
+    flags = _compile_flags(name)
     # the headers too (all of them: a few hundred lines), so an edit to one rebuilds every library
     sources = [CSRC / f"{name}.c", *sorted(CSRC.glob("*.h"))]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
@@ -51,8 +57,15 @@ def build(name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        subprocess.run([compiler, *_compile_flags(), str(CSRC / f"{name}.c"), "-o", str(out), "-lm"], check=True,
-                       capture_output=True, text=True)
+        command = [compiler, str(CSRC / f"{name}.c"), "-o", str(out), "-lm"]
+        try:
+            subprocess.run([*command, *_compile_flags(name)], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError:
+            if name not in OPENMP:
+                raise
+            # a compiler without OpenMP: a serial build, which says so (the caller then keeps to one thread)
+            subprocess.run([*command, *_compile_flags(name, openmp=False)], check=True, capture_output=True,
+                           text=True)
         os.replace(out, path)  # atomic: concurrent builders (several workers) cannot see half a file
     for stale in path.parent.glob(f"{name}-*.so"):
         if stale != path:

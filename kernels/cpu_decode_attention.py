@@ -2,8 +2,9 @@
 and loaded by kernels.cbuild.
 
 The caller (workers.pruned_attention) uses vLLM's own kernel wherever this answers False: no AVX512-BF16 on
-this CPU, a cache or query that is not bf16, an engine running more than one thread (vLLM's kernel spreads
-rows over them, this one runs on the calling thread), or shapes outside the kernel's limits.
+this CPU, a cache or query that is not bf16, an engine running more than one thread where the library was
+built without OpenMP (it would then run on the calling thread alone), or shapes outside the kernel's limits.
+With OpenMP it runs on as many of the pool's threads as torch's intra-op count, as vLLM's kernels do.
 """
 from __future__ import annotations
 
@@ -18,13 +19,21 @@ from kernels.hardware import cpu_flags
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.entropic_decode_attention.argtypes = [p, i64, p, i64, p, i64, i32, i32, i32, i32, p, i64, p, i32,
-                                              ctypes.c_float, i32]
+                                              ctypes.c_float, i32, i32]
     lib.entropic_decode_attention.restype = i32
+    lib.entropic_decode_attention_parallel.argtypes = []
+    lib.entropic_decode_attention_parallel.restype = i32
 
 
 def available() -> bool:
     """Whether this CPU runs the kernel (its bf16 dot products); the library is built on first use."""
     return {"avx512_bf16", "avx512bw"} <= cpu_flags()
+
+
+def parallel() -> bool:
+    """Whether the library runs on several threads (built with OpenMP); False also where it cannot be built."""
+    lib = cbuild.load("decode_attention", _declare)
+    return lib is not None and bool(lib.entropic_decode_attention_parallel())
 
 
 def decode_attention(query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -37,7 +46,7 @@ def decode_attention(query: torch.Tensor, output: torch.Tensor, kv_cache: torch.
     with contiguous rows; seq_lens [rows] int32. Returns False (nothing written) where it does not run.
     """
     rows = seq_lens.numel()
-    if (not available() or torch.get_num_threads() != 1 or query.dtype != torch.bfloat16
+    if (not available() or query.dtype != torch.bfloat16
             or kv_cache.dtype != torch.bfloat16 or output.dtype != torch.bfloat16 or query.dim() != 3
             or query.shape[0] < rows or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous()
             or block_table.dtype != torch.int32 or block_table.stride(1) != 1 or not kv_cache.is_contiguous()):
@@ -50,10 +59,11 @@ def decode_attention(query: torch.Tensor, output: torch.Tensor, kv_cache: torch.
     if two_d != 2 * d or heads % kv_heads:
         return False
     lib = cbuild.load("decode_attention", _declare)
-    if lib is None:
+    threads = torch.get_num_threads()
+    if lib is None or (threads > 1 and not parallel()):
         return False
     status = lib.entropic_decode_attention(
         query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(), blocks, kv_heads,
         block_size, d, heads // kv_heads, block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), rows,
-        float(scale), 1)
+        float(scale), 1, threads)
     return status == 0

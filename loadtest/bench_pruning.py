@@ -112,10 +112,10 @@ async def _measure(core, args) -> dict:
 
 
 def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: int, kv_gib: int,
-              dtype: str = "float32", logits_processors: tuple[type, ...] = ()):
+              dtype: str = "float32", logits_processors: tuple[type, ...] = (), decode_kernel: bool = True):
     """One replica core: ``plain`` is vLLM as shipped (``telemetry: false``, and the process was started
     with ``plain_env``), ``pruned`` the served configuration with pruning on; ``logits_processors``: a
-    benchmark's instruments (loadtest.instruments)."""
+    benchmark's instruments (loadtest.instruments); ``decode_kernel``: ``engine.pruned_decode_kernel``."""
     from prometheus_client import CollectorRegistry
 
     from controller.config import SchedulingConfig
@@ -127,7 +127,7 @@ def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: in
     config = ReplicaConfig(
         model=model, telemetry=pruned,
         engine=EngineConfig(max_model_len=8192, max_num_seqs=batch, block_size=block_size, dtype=dtype,
-                            cpu_threads=threads, kv_cache_space_gib=kv_gib),
+                            cpu_threads=threads, kv_cache_space_gib=kv_gib, pruned_decode_kernel=decode_kernel),
         sampling=SamplingControl(enabled=False), pruning=PruningControl(enabled=pruned),
         scheduling=SchedulingConfig(enabled=False))
     return ReplicaCore(config, replica_id=kind, metrics_registry=CollectorRegistry(),
@@ -140,11 +140,15 @@ def add_core_arguments(parser: argparse.ArgumentParser, dtype: str) -> None:
     parser.add_argument("--kv-gib", type=int, default=4)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default=dtype, help="the engine's dtype (auto: as `make serve` picks it)")
+    parser.add_argument("--decode-kernel", choices=["on", "off"], default="on",
+                        help="the pruned arm's pure-decode steps on our decode kernel where it runs (as served), "
+                             "or on vLLM's CPU attention")
 
 
 def core_argv(args: argparse.Namespace) -> list[str]:
     """``add_core_arguments``' values, as a worker's command line takes them."""
-    return ["--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model, "--dtype", args.dtype]
+    return ["--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--model", args.model, "--dtype", args.dtype,
+            "--decode-kernel", args.decode_kernel]
 
 
 def core_dtype(core) -> str:
@@ -164,7 +168,8 @@ def plain_env() -> dict[str, str]:
 
 def worker(args) -> dict:
     core = make_core(args.worker, model=args.model, batch=args.batch, block_size=args.block_size,
-                     threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype)
+                     threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype,
+                     decode_kernel=args.decode_kernel == "on")
     return {"dtype": core_dtype(core), **asyncio.run(_measure(core, args))}
 
 
@@ -271,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                          "selection_ms": statistics.median(p[i]["selection_ms_per_step"] for _, p in rounds),
                          "plain_rates": a_rates, "pruned_rates": b_rates})
     setting = "deployment default law" if args.keep is None else f"keep {args.keep} from the first decode step"
-    setting += f", {args.selection} block selection, {args.prompts} prompts"
+    setting += f", {args.selection} block selection, {args.prompts} prompts, {args.threads} engine thread(s)"
+    if args.decode_kernel == "off":
+        setting += ", vLLM's attention kernel in every step"
     publish("loadtest.bench_pruning", argv, args.out,
             {"batch": args.batch, "new_tokens": args.new_tokens, "reps": args.reps, "rounds": args.rounds,
              "setting": setting, "dtype": "/".join(sorted(dtypes)), "rows": rows},

@@ -148,7 +148,8 @@ async def _measure(core: Any, args: argparse.Namespace, timers: Timers) -> list[
 def worker(args: argparse.Namespace) -> dict:
     pruned = args.worker == "pruned"
     core = make_core(args.worker, model=args.model, batch=max(args.batches), block_size=args.block_size,
-                     threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype)
+                     threads=args.threads, kv_gib=args.kv_gib, dtype=args.dtype,
+                     decode_kernel=args.decode_kernel == "on")
     timers = Timers()
     install(timers, pruned)
     return {"dtype": core_dtype(core), "rows": asyncio.run(_measure(core, args, timers))}
@@ -242,10 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         rounds.append({kind: _run_worker(kind, args) for kind in arm_order(r)})
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    setting = f"keep {args.keep} from the first decode step, {args.prompts} prompts, {args.threads} engine thread(s)"
+    if args.decode_kernel == "off":
+        setting += ", vLLM's attention kernel in every step"
     publish("loadtest.profile_pruning", argv, args.out,
             {"dtype": rounds[0]["pruned"]["dtype"], "block_size": args.block_size, "new_tokens": args.new_tokens,
-             "rounds": args.rounds, "setting": f"keep {args.keep} from the first decode step, {args.prompts} prompts",
-             "rows": summarize(rounds), "runs": rounds}, _render)
+             "rounds": args.rounds, "setting": setting, "rows": summarize(rounds), "runs": rounds}, _render)
     return 0
 
 

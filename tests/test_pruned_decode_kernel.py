@@ -1,6 +1,6 @@
 """Our decode kernel (kernels/cpu_decode_attention) in the real engine with the default model: pruned decode
-steps in bf16 on one engine thread, as a served replica on a small CPU runs them, against vLLM's own CPU
-attention on the same requests.
+steps in bf16 on one engine thread, as a served replica on a small CPU runs them, and on two (rows over the
+engine's OpenMP threads, as larger replicas run), against vLLM's own CPU attention on the same requests.
 
 Skipped where the CPU has no AVX512-BF16: the kernel does not run there, and vLLM's attention, which then
 serves every step, is what tests/test_pruning_fidelity.py covers.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cpu_decode_attention import available
+from kernels.cpu_decode_attention import available, parallel
 from loadtest.pruned_requests import generate_counting_kept, greedy_params
 from loadtest.workload import passkey_prompt
 from workers.control_params import PruningControl
@@ -36,15 +36,19 @@ def llm(model_dir):
     STATE.attach_rows({})  # one engine per process: detach before another test module starts its own
 
 
-def _run(llm, prompts, kernel: bool) -> tuple[list, float, int]:
+def _run(llm, prompts, kernel: bool, threads: int = 1) -> tuple[list, float, int]:
+    import torch
+
     from workers.pruning_state import STATE
 
     STATE.decode_kernel = kernel
     calls = STATE.stats.decode_kernel_layers
+    torch.set_num_threads(threads)  # the engine runs in this process (configure_process_env)
     try:
         outs, ratio = generate_counting_kept(llm, prompts, [greedy_params(12, AGGRESSIVE)[0] for _ in prompts])
     finally:
         STATE.decode_kernel = True
+        torch.set_num_threads(1)
     return outs, ratio, STATE.stats.decode_kernel_layers - calls
 
 
@@ -64,3 +68,9 @@ def test_pruned_steps_run_our_kernel_and_find_the_passkeys_vllms_attention_finds
     print(f"passkeys found, pruned, vLLM's attention {sum(found[0])}/{len(keys)}, ours {sum(found[1])}/{len(keys)}")
     assert sum(found[0]) >= 2, "too few passkeys found for the comparison to mean anything"
     assert found[1] == found[0], ([o.outputs[0].text for o in theirs], [o.outputs[0].text for o in ours])
+
+    if not parallel():
+        return  # a build without OpenMP leaves steps on two threads to vLLM's kernel
+    two, ratio_two, calls_two = _run(llm, prompts, kernel=True, threads=2)
+    assert ratio_two == ratio_ours and calls_two >= layers * 10, "on two threads the kernel runs as well"
+    assert [str(k) in o.outputs[0].text for o, k in zip(two, keys)] == found[0], [o.outputs[0].text for o in two]

