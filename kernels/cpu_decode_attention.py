@@ -9,6 +9,7 @@ With OpenMP it runs on as many of the pool's threads as torch's intra-op count, 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -30,6 +31,7 @@ def available() -> bool:
     return {"avx512_bf16", "avx512bw"} <= cpu_flags()
 
 
+@functools.cache  # one library per process: asked once, not in each layer of each step
 def parallel() -> bool:
     """Whether the library runs on several threads (built with OpenMP); False also where it cannot be built."""
     lib = cbuild.load("decode_attention", _declare)

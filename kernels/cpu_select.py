@@ -1,7 +1,8 @@
 """The fused CPU block selection (kernels/csrc/block_select.c), built and loaded by kernels.cbuild.
 
 Where the library cannot be built the caller falls back to the torch path (kernels.block_select),
-which computes the same selection.
+which computes the same selection. Rows run on as many of the OpenMP pool's threads as torch's intra-op
+count where the build has OpenMP (kernels/cbuild.py), else on the calling thread.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kernels import cbuild
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.entropic_select_blocks.argtypes = [p, i32, i64, p, p, i32, i64, p, p, p, i32, i32, i32, i32, i32,
-                                           ctypes.c_float, p, i64, p]
+                                           ctypes.c_float, p, i64, p, i32]
     lib.entropic_select_blocks.restype = i32
 
 
@@ -55,5 +56,5 @@ def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torc
         query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), tokens.data_ptr(), summaries.data_ptr(),
         int(summaries.dtype == torch.bfloat16), summaries.shape[1], physical.data_ptr(), bias.data_ptr(),
         keep.data_ptr(), len(rows), kv_heads, heads // kv_heads, d, physical.shape[1], float(scale), table.data_ptr(),
-        table.stride(0), rows.data_ptr())
+        table.stride(0), rows.data_ptr(), torch.get_num_threads())
     return status == 0

@@ -19,7 +19,7 @@ LAYOUTS = {"vec": 0, "amx": 1}  # vLLM's CPU attention ISA names
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.entropic_summarize_blocks.argtypes = [p, i32, i32, i64, i64, i32, i32, i32, p, i64, p, i64]
+    lib.entropic_summarize_blocks.argtypes = [p, i32, i32, i64, i64, i32, i32, i32, p, i64, p, i64, i32]
     lib.entropic_summarize_blocks.restype = i32
 
 
@@ -47,5 +47,5 @@ def summarize_into(kv_cache: torch.Tensor, isa: str, block_ids: torch.Tensor, su
     ids = block_ids.contiguous()
     status = lib.entropic_summarize_blocks(
         kv_cache.data_ptr(), DTYPES[kv_cache.dtype], LAYOUTS[isa], kv_cache.stride(0), kv_cache.stride(1), kv_heads,
-        block_size, two_d // 2, ids.data_ptr(), ids.numel(), summaries.data_ptr(), blocks)
+        block_size, two_d // 2, ids.data_ptr(), ids.numel(), summaries.data_ptr(), blocks, torch.get_num_threads())
     return status == 0

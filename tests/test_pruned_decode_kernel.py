@@ -53,12 +53,24 @@ def _run(llm, prompts, kernel: bool, threads: int = 1) -> tuple[list, float, int
 
 
 def test_pruned_steps_run_our_kernel_and_find_the_passkeys_vllms_attention_finds(llm):
+    from prometheus_client import CollectorRegistry
+
+    from workers.metrics import ReplicaMetrics
+
     keys = [20011 + 7919 * i for i in range(len(CASES))]
     prompts = [passkey_prompt(reps, depth, key) for (reps, depth), key in zip(CASES, keys)]
     generate_counting_kept(llm, prompts, [greedy_params(1)[0] for _ in prompts])  # both runs read the same cache
+    registry = CollectorRegistry()
+    metrics = ReplicaMetrics("m", registry=registry)  # the replica's Prometheus series, read from the same counts
+
+    def exported() -> float:
+        metrics._observe_pruning()
+        return registry.get_sample_value("entropic_pruned_decode_kernel_layers_total", {"model_name": "m"})
 
     theirs, ratio_theirs, calls_theirs = _run(llm, prompts, kernel=False)
+    before = exported()
     ours, ratio_ours, calls_ours = _run(llm, prompts, kernel=True)
+    assert exported() - before == calls_ours
 
     assert ratio_ours < 0.4 and ratio_theirs == ratio_ours, "both runs must prune, and keep as many blocks"
     assert calls_theirs == 0

@@ -164,6 +164,15 @@ def test_fused_cpu_selection_matches_the_torch_path(seed, group, dtype, summary_
     untouched = torch.ones(10, dtype=torch.bool)
     untouched[table_rows] = False
     assert (table[untouched] == -1).all()
+    # rows spread over two engine threads (OpenMP builds) choose the same blocks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spread = torch.full((10, 80), -1, dtype=torch.int32)
+        assert select_into_table(query, tokens, summaries, physical, bias, keep, 0.125, spread, table_rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(spread, table)
 
 
 @pytest.mark.parametrize("isa,dtype,block_size", [("vec", torch.float32, 64), ("vec", torch.bfloat16, 64),
@@ -191,6 +200,14 @@ def test_c_key_summaries_match_the_torch_path(isa, dtype, block_size):
     others = torch.ones(blocks, dtype=torch.bool)
     others[ids] = False
     assert bool((got[:, others] == 99.0).all()), "only the listed blocks are written"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # blocks spread over two engine threads (OpenMP builds): the same summaries
+    try:
+        spread = torch.full_like(got, 99.0)
+        assert summarize_into(cache, isa, ids, spread)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(spread, got)
 
 
 def test_c_key_summaries_decline_what_they_do_not_read():

@@ -59,7 +59,10 @@ class ReplicaMetrics:
                                     ["model_name"], registry=registry).labels(model_name)
         self._selection = Counter("entropic_pruning_selection_seconds", "Time spent choosing KV blocks (all layers)",
                                   ["model_name"], registry=registry).labels(model_name)
-        self._pruning_seen = (0.0, 0.0, 0.0)
+        self._decode_kernel = Counter("entropic_pruned_decode_kernel_layers", "Layer attention calls of pruned "
+                                      "pure-decode steps our CPU decode kernel answered instead of vLLM's "
+                                      "(engine.pruned_decode_kernel)", ["model_name"], registry=registry).labels(model_name)
+        self._pruning_seen = (0.0, 0.0, 0.0, 0)
         self._grants = Counter("entropic_grants_renewed", "Decode-step leases renewed (sequences moved into the "
                                "granted set) by the control loop", ["model_name"], registry=registry).labels(model_name)
         self._withheld = Counter("entropic_grant_withheld_steps", "Running sequences left out of an engine step "
@@ -165,8 +168,10 @@ class ReplicaMetrics:
     def _observe_pruning(self) -> None:
         from workers.pruning_state import STATE
 
-        now = (STATE.stats.attention_flops_saved, STATE.stats.kv_bytes_saved, STATE.stats.selection_seconds)
-        for counter, new, old in zip((self._flops_saved, self._bytes_saved, self._selection), now, self._pruning_seen):
+        now = (STATE.stats.attention_flops_saved, STATE.stats.kv_bytes_saved, STATE.stats.selection_seconds,
+               STATE.stats.decode_kernel_layers)
+        counters = (self._flops_saved, self._bytes_saved, self._selection, self._decode_kernel)
+        for counter, new, old in zip(counters, now, self._pruning_seen, strict=True):
             if new > old:
                 counter.inc(new - old)
         self._pruning_seen = now

@@ -10,8 +10,9 @@
  * per layer for the same thing; this is one pass over the summaries with no allocation.
  *
  * Plain C with no torch headers so it builds in about a second with the system compiler
- * (kernels/cbuild.py builds it on first use or at install); single-threaded, because the
- * engine's OpenMP pool owns the cores and a second runtime would fight it for them. The dot products
+ * (kernels/cbuild.py builds it on first use or at install). Rows are spread over the engine's threads with
+ * OpenMP where the build has it: the pool torch and vLLM's kernels run on (torch's libgomp, loaded under the
+ * same soname), not a second runtime fighting it for the cores (see decode_attention.c). The dot products
  * use AVX2/FMA when the build machine has them (kernels/cbuild.py picks the flags), else scalar C.
  */
 #include <math.h>
@@ -133,11 +134,14 @@ int entropic_select_blocks(const void *query, int query_bf16, int64_t query_stri
                            const void *summaries, int summaries_bf16, int64_t num_blocks,
                            const int64_t *physical, const float *bias, const int64_t *keep,
                            int rows, int kv_heads, int group, int d, int width, float scale,
-                           int32_t *table, int64_t table_stride, const int64_t *table_rows) {
+                           int32_t *table, int64_t table_stride, const int64_t *table_rows, int threads) {
     if (width > MAX_W || group * 2 * d > MAX_GD) return -1;
-    float scores[MAX_W], work[MAX_W], signed_q[MAX_GD];
     const int d2 = 2 * d;
+    (void)threads;
+    /* rows: each writes its own table row; equal work but for the widths of their contexts */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && rows > 1)
     for (int p = 0; p < rows; p++) {
+        float scores[MAX_W], work[MAX_W], signed_q[MAX_GD];
         const int64_t *phys = physical + (int64_t)p * width;
         const float *b = bias + (int64_t)p * width;
         for (int w = 0; w < width; w++) scores[w] = -INFINITY;

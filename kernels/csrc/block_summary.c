@@ -6,7 +6,8 @@
  *   VEC: a block's keys per head are [D, block_size] (channel-major);
  *   AMX: [block_size / 16, D / 2, 16, 2] (AMX B tiles: 16 tokens, each a 4-byte pair of bf16 channels).
  * The torch path gathers the blocks, converts them to float and reduces (tensor ops that allocate the
- * gathered copy); this reads each key once where it lies. Single-threaded, as block_select.c.
+ * gathered copy); this reads each key once where it lies. Blocks are spread over the engine's OpenMP threads
+ * where the build has OpenMP, as in block_select.c.
  *
  * The summaries are stored in the cache's dtype: the extremes of bf16 keys are bf16 values, so nothing
  * is rounded, and selection, which reads every kept row's summaries in every layer and step, reads
@@ -110,15 +111,18 @@ static void store_bf16(const float *from, uint16_t *to, int n) {
  * Returns -1 (nothing written) for a dtype, layout or shape this file does not handle. */
 int entropic_summarize_blocks(const void *cache, int dtype, int layout, int64_t block_stride, int64_t head_stride,
                               int kv_heads, int block_size, int d, const int64_t *block_ids, int64_t count,
-                              void *summaries, int64_t num_blocks) {
+                              void *summaries, int64_t num_blocks, int threads) {
     if (d <= 0 || d > MAX_D || d % 2 || block_size <= 0) return -1;
     if (layout == LAYOUT_AMX && (dtype != DTYPE_BF16 || block_size % AMX_TOKENS)) return -1;
     if (layout != LAYOUT_VEC && layout != LAYOUT_AMX) return -1;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return -1;
     for (int64_t n = 0; n < count; n++)
         if (block_ids[n] < 0 || block_ids[n] >= num_blocks) return -1;
-    float both[2 * MAX_D];
+    (void)threads;
+    /* a request's first pruned step summarizes all its blocks at once (hundreds): worth the threads */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count > 1)
     for (int64_t n = 0; n < count; n++) {
+        float both[2 * MAX_D];
         const int64_t b = block_ids[n];
         for (int h = 0; h < kv_heads; h++) {
             const int64_t offset = b * block_stride + h * head_stride, at = ((int64_t)h * num_blocks + b) * 2 * d;

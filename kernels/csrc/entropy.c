@@ -9,9 +9,9 @@
  *
  * exp is a Cephes-style polynomial on [-ln2/2, ln2/2] times 2^n (relative error about 2e-7, the same
  * as the scalar expf's at float precision); below -87 it gives 0, so masked tokens (-inf) weigh 0 and
- * their 0 * y is taken as 0, as in the reference. Single-threaded, like block_select.c: the engine's
- * OpenMP pool owns the cores. AVX2/FMA when the build machine has them (kernels/cbuild.py picks the
- * flags), else scalar C.
+ * their 0 * y is taken as 0, as in the reference. Single-threaded: unlike the pruning kernels, which spread
+ * over the engine's OpenMP threads (decode_attention.c), it has not been measured to gain from them.
+ * AVX2/FMA when the build machine has them (kernels/cbuild.py picks the flags), else scalar C.
  */
 #include "simd_exp.h"
 

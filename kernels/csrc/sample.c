@@ -14,8 +14,8 @@
  * block's last token with a nonzero weight is then taken. Tokens whose weight is 0 (-inf logits: masked,
  * and everything below exp's range under the max) are never taken.
  *
- * exp is the polynomial of simd_exp.h, as in entropy.c. Single-threaded, like entropy.c: the engine's OpenMP pool owns the
- * cores. AVX2/FMA when the build machine has them (kernels/cbuild.py picks the flags), else scalar C.
+ * exp is the polynomial of simd_exp.h, as in entropy.c. Single-threaded, like entropy.c. AVX2/FMA when the build
+ * machine has them (kernels/cbuild.py picks the flags), else scalar C.
  */
 #include <stdlib.h>
 #include <string.h>
