@@ -63,7 +63,8 @@ def build(name: str) -> Path:
         except subprocess.CalledProcessError:
             if name not in OPENMP:
                 raise
-            # a compiler without OpenMP: a serial build, which says so (the caller then keeps to one thread)
+            # a compiler without OpenMP: a serial build, on the calling thread (decode_attention's says so, and
+            # its caller then leaves steps on several threads to vLLM's kernel)
             subprocess.run([*command, *_compile_flags(name, openmp=False)], check=True, capture_output=True,
                            text=True)
         os.replace(out, path)  # atomic: concurrent builders (several workers) cannot see half a file

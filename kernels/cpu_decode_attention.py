@@ -3,8 +3,10 @@ and loaded by kernels.cbuild.
 
 The caller (workers.pruned_attention) uses vLLM's own kernel wherever this answers False: no AVX512-BF16 on
 this CPU, a cache or query that is not bf16, an engine running more than one thread where the library was
-built without OpenMP (it would then run on the calling thread alone), or shapes outside the kernel's limits.
-With OpenMP it runs on as many of the pool's threads as torch's intra-op count, as vLLM's kernels do.
+built without OpenMP (it would then run on the calling thread alone), fewer (row, KV head) pairs than the
+engine has threads (each pair is one thread's work here, where vLLM's kernel also splits a sequence between
+threads), or shapes outside the kernel's limits. With OpenMP it runs on as many of the pool's threads as
+torch's intra-op count, as vLLM's kernels do.
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def decode_attention(query: torch.Tensor, output: torch.Tensor, kv_cache: torch.
         return False
     lib = cbuild.load("decode_attention", _declare)
     threads = torch.get_num_threads()
-    if lib is None or (threads > 1 and not parallel()):
+    if lib is None or (threads > 1 and (not parallel() or rows * kv_heads < threads)):
         return False
     status = lib.entropic_decode_attention(
         query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(), blocks, kv_heads,

@@ -605,6 +605,10 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads):
                 answers.append(ours)
             else:
                 assert count > 1 and not parallel()
+        # more threads than (row, KV head) pairs: vLLM's kernel, which splits sequences between threads too
+        torch.set_num_threads(rows * kv_heads + 1)
+        assert not decode_attention(query, torch.empty(rows, heads * d, dtype=torch.bfloat16), kv_cache, table,
+                                    seq_lens, scale)
     finally:
         torch.set_num_threads(threads)
     # each (row, KV head) is computed by one thread the same way, whatever the count
