@@ -104,6 +104,14 @@ def _selection(inp: dict, scale: float, gen: torch.Generator) -> float:
 
 
 def measure(args) -> list[dict]:
+    threads_before = torch.get_num_threads()
+    try:
+        return _measure(args)
+    finally:
+        torch.set_num_threads(threads_before)  # a caller in the same process (the test) keeps its own count
+
+
+def _measure(args) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     scale = args.head_dim ** -0.5
     results = []
