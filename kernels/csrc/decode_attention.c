@@ -49,13 +49,21 @@ static const int32_t UNPACK_ORDER[2][16] = {
 };
 
 /* scores[h][t0..t0+32] = q[h] . k[:, t]: channel pairs of 32 tokens interleaved into bf16 pairs, one dot
- * product instruction per head and 16 tokens. qp: per head, d/2 bf16 pairs (q[2c], q[2c+1]). */
+ * product instruction per head and 16 tokens. qp: per head, d/2 bf16 pairs (q[2c], q[2c+1]). pf (or NULL): keys
+ * of the block to come, of the same shape, two of whose lines each step prefetches (bs/32 calls x d/2 steps x 2
+ * lines cover its bs*d*2 bytes). */
 static inline __attribute__((always_inline)) BF16_DOT void dot_score32(int nh, const uint32_t *qp,
                                                                        const uint16_t *keys, int64_t bs, int64_t t0,
-                                                                       int d, float scale, float *scores) {
+                                                                       int d, float scale, float *scores,
+                                                                       const char *pf) {
     __m512 lo[4], hi[4];
     for (int h = 0; h < nh; h++) lo[h] = hi[h] = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 2) {
+        if (pf) {
+            const char *line = pf + ((t0 / 32) * (d / 2) + c / 2) * 128;
+            _mm_prefetch(line, _MM_HINT_T1);
+            _mm_prefetch(line + 64, _MM_HINT_T1);
+        }
         __m512i a = _mm512_loadu_si512(keys + c * bs + t0), b = _mm512_loadu_si512(keys + (c + 1) * bs + t0);
         __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(a, b), ph = (__m512bh)_mm512_unpackhi_epi16(a, b);
         for (int h = 0; h < nh; h++) {
@@ -75,16 +83,23 @@ static inline __attribute__((always_inline)) BF16_DOT void dot_score32(int nh, c
 
 /* acc[h] (channels in unpack order, 32 per pair of vectors) += sum_t p[h][t] v[t] over the first `valid` tokens:
  * token pairs interleaved, pp: per head, bs/2 bf16 pairs (p[2i], p[2i+1]). Rows past `valid` are never read:
- * a block's unwritten slots may hold anything, and 0 x nan is nan. */
+ * a block's unwritten slots may hold anything, and 0 x nan is nan. pf (or NULL): values of the block to come, two
+ * lines prefetched per step as in dot_score32. */
 static inline __attribute__((always_inline)) BF16_DOT void dot_accumulate32(int nh, const uint32_t *pp,
                                                                             const uint16_t *values, int valid, int d,
-                                                                            int c0, __m512 *acc) {
+                                                                            int c0, __m512 *acc, int bs,
+                                                                            const char *pf) {
     __m512 a0[4], a1[4];
     for (int h = 0; h < nh; h++) {
         a0[h] = acc[h * (MAX_D / 16) + c0 / 16];
         a1[h] = acc[h * (MAX_D / 16) + c0 / 16 + 1];
     }
     for (int i = 0; 2 * i < valid; i++) {
+        if (pf) {
+            const char *line = pf + ((c0 / 32) * (bs / 2) + i) * 128;
+            _mm_prefetch(line, _MM_HINT_T1);
+            _mm_prefetch(line + 64, _MM_HINT_T1);
+        }
         __m512i x = _mm512_loadu_si512(values + (int64_t)(2 * i) * d + c0);
         __m512i y = 2 * i + 1 < valid ? _mm512_loadu_si512(values + (int64_t)(2 * i + 1) * d + c0)
                                       : _mm512_setzero_si512();
@@ -105,7 +120,8 @@ static inline __attribute__((always_inline)) BF16_DOT void dot_accumulate32(int 
  * bf16 dot products, float32 scores, softmax and sums; the probabilities are rounded to bf16 for the values'
  * products, as vLLM's AMX kernel does. Needs d % 32 == 0 and bs % 32 == 0. */
 static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_head, const int32_t *blocks, int n,
-                                int64_t block_span, int bs, int d, float scale, uint16_t *out) {
+                                int64_t block_span, int bs, int d, float scale, uint16_t *out, const char *after) {
+    /* after (or NULL): the next unit's first block, prefetched while this unit's last one computes */
     uint32_t qp[MAX_G * MAX_D / 2], pp[MAX_G * MAX_BS / 2];
     float scores[MAX_G * MAX_BS], m[MAX_G], l[MAX_G];
     __m512 acc[MAX_G * MAX_D / 16];
@@ -119,15 +135,16 @@ static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_
         const uint16_t *keys = (const uint16_t *)(cache_head + (int64_t)blocks[b] * block_span * 2);
         const uint16_t *values = keys + (int64_t)bs * d;
         int valid = n - b * bs < bs ? n - b * bs : bs;
-        if (b * bs + bs < n) { /* the next block, line by line, while this one computes */
-            const char *next = cache_head + (int64_t)blocks[b + 1] * block_span * 2;
-            for (int off = 0; off < 2 * bs * d * 2; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-        }
+        /* the next block of this KV head (16 KiB at block 64, head size 64) is fetched into L2 two lines per
+         * inner step, while this one computes: a kept block is a short run at a scattered address, which the
+         * hardware prefetchers do not reach ahead of, and all of it requested at once (L1 hint) stalls on the
+         * miss buffers. Measured by loadtest/bench_cpu_kernels.py (docs/results/cpu-kernels-*). */
+        const char *next = b * bs + bs < n ? cache_head + (int64_t)blocks[b + 1] * block_span * 2 : after;
         for (int h0 = 0; h0 < g; h0 += 4) {
             int nh = g - h0 < 4 ? g - h0 : 4;
             for (int t0 = 0; t0 < valid; t0 += 32)
                 DISPATCH_HEADS(nh, dot_score32(n_, qp + h0 * (MAX_D / 2), keys, bs, t0, d, scale,
-                                               scores + h0 * MAX_BS))
+                                               scores + h0 * MAX_BS, h0 == 0 ? next : NULL))
         }
         int padded = (valid + 31) & ~31;
         for (int h = 0; h < g; h++) {
@@ -160,7 +177,8 @@ static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_
             int nh = g - h0 < 4 ? g - h0 : 4;
             for (int c0 = 0; c0 < d; c0 += 32)
                 DISPATCH_HEADS(nh, dot_accumulate32(n_, pp + h0 * (MAX_BS / 2), values, valid, d, c0,
-                                                    acc + h0 * (MAX_D / 16)))
+                                                    acc + h0 * (MAX_D / 16), bs,
+                                                    h0 == 0 && next ? next + (int64_t)bs * d * 2 : NULL))
         }
     }
     __m512i first = _mm512_loadu_si512(UNPACK_ORDER[0]), second = _mm512_loadu_si512(UNPACK_ORDER[1]);
@@ -203,14 +221,21 @@ int entropic_decode_attention(const void *query, int64_t q_stride, void *out, in
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t head_span = 2 * (int64_t)bs * d, block_span = kv_heads * head_span;
     const int units = rows * kv_heads;
-    (void)threads;
     /* dynamic: a unit's cost is its row's kept length, which differs between rows by up to the whole context */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && units > 1)
     for (int u = 0; u < units; u++) {
         const int r = u / kv_heads, kv = u % kv_heads;
+        /* on one thread the units run in order, so the last block can fetch the next unit's first; on several,
+         * which thread takes the next unit is not known */
+        const char *after = NULL;
+        if ((threads <= 1 || units == 1) && u + 1 < units) {
+            const int r1 = (u + 1) / kv_heads, kv1 = (u + 1) % kv_heads;
+            if (seq_lens[r1] > 0)
+                after = (const char *)cache + kv1 * head_span * 2 + (int64_t)table[r1 * table_stride] * block_span * 2;
+        }
         dot_attend(g, (const uint16_t *)query + r * q_stride + (int64_t)kv * g * d,
                    (const char *)cache + kv * head_span * 2, table + r * table_stride, seq_lens[r], block_span, bs,
-                   d, scale, (uint16_t *)out + r * out_stride + (int64_t)kv * g * d);
+                   d, scale, (uint16_t *)out + r * out_stride + (int64_t)kv * g * d, after);
     }
     return 0;
 #else
