@@ -115,7 +115,7 @@ def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: in
               dtype: str = "float32", logits_processors: tuple[type, ...] = (), decode_kernel: bool = True):
     """One replica core: ``plain`` is vLLM as shipped (``telemetry: false``, and the process was started
     with ``plain_env``), ``pruned`` the served configuration with pruning on; ``logits_processors``: a
-    benchmark's instruments (loadtest.instruments); ``decode_kernel``: ``engine.pruned_decode_kernel``."""
+    benchmark's instruments (loadtest.instruments); ``decode_kernel``: ``engine.decode_kernel``."""
     from prometheus_client import CollectorRegistry
 
     from controller.config import SchedulingConfig
@@ -127,7 +127,7 @@ def make_core(kind: str, *, model: str, batch: int, block_size: int, threads: in
     config = ReplicaConfig(
         model=model, telemetry=pruned,
         engine=EngineConfig(max_model_len=8192, max_num_seqs=batch, block_size=block_size, dtype=dtype,
-                            cpu_threads=threads, kv_cache_space_gib=kv_gib, pruned_decode_kernel=decode_kernel),
+                            cpu_threads=threads, kv_cache_space_gib=kv_gib, decode_kernel=decode_kernel),
         sampling=SamplingControl(enabled=False), pruning=PruningControl(enabled=pruned),
         scheduling=SchedulingConfig(enabled=False))
     return ReplicaCore(config, replica_id=kind, metrics_registry=CollectorRegistry(),

@@ -217,7 +217,7 @@ def test_metrics_endpoint_shows_every_replica_and_the_entropic_series(server, cl
                  "entropic_priority_preemptions_total", "entropic_telemetry_lag_seconds_count",
                  "entropic_controller_loop_seconds_count", "entropic_kv_blocks_kept_ratio_count",
                  "entropic_attention_flops_saved_total", "entropic_kv_bytes_saved_total",
-                 "entropic_pruning_selection_seconds_total", "entropic_pruned_decode_kernel_layers_total",
+                 "entropic_pruning_selection_seconds_total", "entropic_decode_kernel_layers_total",
                  "entropic_grants_renewed_total",
                  "entropic_grant_withheld_steps_total", "entropic_routing_decisions_total",
                  "entropic_dispatch_admissions_total", "entropic_dispatch_queue_length",

@@ -1,6 +1,7 @@
 """Our decode kernel (kernels/cpu_decode_attention) in the real engine with the default model: pruned decode
 steps in bf16 on one engine thread, as a served replica on a small CPU runs them, and on two (rows over the
-engine's OpenMP threads, as larger replicas run), against vLLM's own CPU attention on the same requests.
+engine's OpenMP threads, as larger replicas run), and dense (unpruned) decode steps, against vLLM's own CPU
+attention on the same requests.
 
 Skipped where the CPU has no AVX512-BF16: the kernel does not run there, and vLLM's attention, which then
 serves every step, is what tests/test_pruning_fidelity.py covers.
@@ -36,7 +37,8 @@ def llm(model_dir):
     STATE.attach_rows({})  # one engine per process: detach before another test module starts its own
 
 
-def _run(llm, prompts, kernel: bool, threads: int = 1) -> tuple[list, float, int]:
+def _run(llm, prompts, kernel: bool, threads: int = 1, pruning: PruningControl | None = AGGRESSIVE
+         ) -> tuple[list, float, int]:
     import torch
 
     from workers.pruning_state import STATE
@@ -45,7 +47,7 @@ def _run(llm, prompts, kernel: bool, threads: int = 1) -> tuple[list, float, int
     calls = STATE.stats.decode_kernel_layers
     torch.set_num_threads(threads)  # the engine runs in this process (configure_process_env)
     try:
-        outs, ratio = generate_counting_kept(llm, prompts, [greedy_params(12, AGGRESSIVE)[0] for _ in prompts])
+        outs, ratio = generate_counting_kept(llm, prompts, [greedy_params(12, pruning)[0] for _ in prompts])
     finally:
         STATE.decode_kernel = True
         torch.set_num_threads(1)
@@ -65,7 +67,7 @@ def test_pruned_steps_run_our_kernel_and_find_the_passkeys_vllms_attention_finds
 
     def exported() -> float:
         metrics._observe_pruning()
-        return registry.get_sample_value("entropic_pruned_decode_kernel_layers_total", {"model_name": "m"})
+        return registry.get_sample_value("entropic_decode_kernel_layers_total", {"model_name": "m"})
 
     theirs, ratio_theirs, calls_theirs = _run(llm, prompts, kernel=False)
     before = exported()
@@ -86,3 +88,18 @@ def test_pruned_steps_run_our_kernel_and_find_the_passkeys_vllms_attention_finds
     two, ratio_two, calls_two = _run(llm, prompts, kernel=True, threads=2)
     assert ratio_two == ratio_ours and calls_two >= layers * 10, "on two threads the kernel runs as well"
     assert [str(k) in o.outputs[0].text for o, k in zip(two, keys)] == found[0], [o.outputs[0].text for o in two]
+
+
+def test_unpruned_decode_steps_run_our_kernel_too(llm):
+    keys = [30011 + 7919 * i for i in range(len(CASES))]
+    prompts = [passkey_prompt(reps, depth, key) for (reps, depth), key in zip(CASES, keys)]
+    generate_counting_kept(llm, prompts, [greedy_params(1)[0] for _ in prompts])
+    theirs, ratio_theirs, calls_theirs = _run(llm, prompts, kernel=False, pruning=None)
+    ours, ratio_ours, calls_ours = _run(llm, prompts, kernel=True, pruning=None)
+    assert ratio_theirs == ratio_ours == 1.0, "nothing pruned"
+    layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
+    assert calls_theirs == 0 and calls_ours >= layers * 10, "the dense decode steps ran our kernel"
+    found = [[str(k) in o.outputs[0].text for o, k in zip(outs, keys)] for outs in (theirs, ours)]
+    print(f"passkeys found, dense, vLLM's attention {sum(found[0])}/{len(keys)}, ours {sum(found[1])}/{len(keys)}")
+    assert sum(found[0]) >= 2, "too few passkeys found for the comparison to mean anything"
+    assert found[1] == found[0], ([o.outputs[0].text for o in theirs], [o.outputs[0].text for o in ours])

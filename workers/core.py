@@ -64,7 +64,7 @@ class ReplicaCore:
         from workers.scheduler import PrefillGate
 
         STATE.dense_layers = config.pruning_dense_layers
-        STATE.decode_kernel = config.engine.pruned_decode_kernel
+        STATE.decode_kernel = config.engine.decode_kernel
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
         self.node_id = node_id
         self.scheduling = config.scheduling

@@ -59,9 +59,9 @@ class ReplicaMetrics:
                                     ["model_name"], registry=registry).labels(model_name)
         self._selection = Counter("entropic_pruning_selection_seconds", "Time spent choosing KV blocks (all layers)",
                                   ["model_name"], registry=registry).labels(model_name)
-        self._decode_kernel = Counter("entropic_pruned_decode_kernel_layers", "Layer attention calls of pruned "
-                                      "pure-decode steps our CPU decode kernel answered instead of vLLM's "
-                                      "(engine.pruned_decode_kernel)", ["model_name"], registry=registry).labels(model_name)
+        self._decode_kernel = Counter("entropic_decode_kernel_layers", "Layer attention calls of pure-decode steps "
+                                      "our CPU decode kernel answered instead of vLLM's (engine.decode_kernel)",
+                                      ["model_name"], registry=registry).labels(model_name)
         self._pruning_seen = (0.0, 0.0, 0.0, 0)
         self._grants = Counter("entropic_grants_renewed", "Decode-step leases renewed (sequences moved into the "
                                "granted set) by the control loop", ["model_name"], registry=registry).labels(model_name)

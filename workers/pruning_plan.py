@@ -181,17 +181,20 @@ class PrunedLayers:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        plan = getattr(attn_metadata, "prune", None) if attn_metadata is not None else None
-        if plan is None or not self._prunes():
+        if attn_metadata is None or not self._prunes():  # warm-up, or not a decoder's self-attention
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
                                    output_scale, output_block_scale)
-        if self._index(layer) < STATE.dense_layers:
-            return super().forward(layer, query, key, value, kv_cache, plan.dense, output,  # type: ignore[misc]
-                                   output_scale, output_block_scale)
-        started = time.perf_counter()
-        metadata = copy.copy(attn_metadata)
-        metadata.block_table = self._compacted_table(layer, query, kv_cache, plan)
-        STATE.stats.selection_seconds += time.perf_counter() - started
+        plan = getattr(attn_metadata, "prune", None)
+        if plan is None:
+            metadata = attn_metadata
+        elif self._index(layer) < STATE.dense_layers:
+            metadata = plan.dense
+        else:
+            started = time.perf_counter()
+            metadata = copy.copy(attn_metadata)
+            metadata.block_table = self._compacted_table(layer, query, kv_cache, plan)
+            STATE.stats.selection_seconds += time.perf_counter() - started
+        # pruned or not, a step the backend's own decode kernel suits is its (the kernel reads the same cache)
         if output_scale is None and output_block_scale is None and self._decode(layer, query, kv_cache, metadata,
                                                                                 output):
             return output
@@ -200,8 +203,8 @@ class PrunedLayers:
 
     def _decode(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
                 output: torch.Tensor) -> bool:
-        """A backend's own kernel for a pruned step's attention, where it has one and the step suits it; False
-        (nothing written): the vLLM backend's forward."""
+        """A backend's own kernel for a decoder step's attention (pruned or dense), where it has one and the step
+        suits it; False (nothing written): the vLLM backend's forward."""
         return False
 
     def _prunes(self) -> bool:

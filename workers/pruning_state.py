@@ -90,8 +90,8 @@ class PruningState:
         # The C kernels (selection: kernels.cpu_select, key summaries: kernels.cpu_summary); False runs the
         # torch path (benchmarks compare both).
         self.fused_selection = True
-        # Pure-decode steps with pruned rows attend with kernels.cpu_decode_attention where it runs (from
-        # engine.pruned_decode_kernel); False: vLLM's kernel.
+        # Pure-decode steps attend with kernels.cpu_decode_attention where it runs (from engine.decode_kernel);
+        # False: vLLM's kernel.
         self.decode_kernel = True
 
     def attach_rows(self, rows: dict[int, Any]) -> None:
