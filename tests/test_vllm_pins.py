@@ -534,17 +534,19 @@ def test_the_forward_pass_our_step_threads_widen():
     assert "torch.set_num_threads = skip_set_num_threads" in inspect.getsource(CPUWorker.init_device)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
-def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads, vllm_cpu_ops):
+def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads, dtype, vllm_cpu_ops):
     """kernels.cpu_decode_attention reads the "vec" cache vLLM's own op writes and answers what vLLM's CPU
     attention answers for one query token per row: scattered blocks, partial last blocks, peaked and flat
-    softmaxes. The tolerance is two bf16 steps at the outputs' size: the kernel rounds probabilities to bf16
-    before the products with the values (vLLM's "vec" kernel keeps them float32), and both round the output."""
+    softmaxes. In bf16 the tolerance is two bf16 steps at the outputs' size: the kernel rounds probabilities to
+    bf16 before the products with the values (vLLM's "vec" kernel keeps them float32), and both round the
+    output; in float32 (no rounding but the order of sums and the exponential's) two steps of 2^-14."""
     from kernels.cpu_decode_attention import available, decode_attention, parallel
 
     ops = vllm_cpu_ops
-    if not available():
-        pytest.skip("no AVX512-BF16 on this CPU: the kernel does not run here and vLLM's attention is used")
+    if not available(dtype):
+        pytest.skip(f"the kernel does not run on a {dtype} cache on this CPU: vLLM's attention is used")
     torch.manual_seed(heads * 10 + kv_heads)
     d, block_size, rows = 64, 64, 5
     seq_lens = torch.tensor([1, 63, 64, 700, 1950], dtype=torch.int32)
@@ -552,7 +554,7 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads, vllm_cpu
     blocks = sum(per_row) + 3
     # slots no token was written to hold nan for our kernel: a block's unwritten slots may hold anything, and must
     # weigh nothing (vLLM's kernel reads them: it gets the cache with zeros there, as vLLM allocates it)
-    kv_cache = torch.full((blocks, kv_heads, block_size, 2 * d), float("nan"), dtype=torch.bfloat16)
+    kv_cache = torch.full((blocks, kv_heads, block_size, 2 * d), float("nan"), dtype=dtype)
     key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, d).chunk(2, dim=2)
     order = torch.randperm(blocks)[: sum(per_row)]
     table = torch.zeros(rows, max(per_row) + 2, dtype=torch.int32)
@@ -562,19 +564,19 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads, vllm_cpu
         start += count
         n = int(seq_lens[r])
         slots = (table[r, :count].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        keys = torch.randn(n, kv_heads, d).to(torch.bfloat16)
-        values = torch.randn(n, kv_heads, d).to(torch.bfloat16)
+        keys = torch.randn(n, kv_heads, d).to(dtype)
+        values = torch.randn(n, kv_heads, d).to(dtype)
         ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec",
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     # rows 0-2 near-uniform softmaxes, rows 3-4 peaked ones (queries 6x larger)
-    query = (torch.randn(rows, heads, d) * torch.tensor([1, 1, 1, 6, 6])[:, None, None]).to(torch.bfloat16)
+    query = (torch.randn(rows, heads, d) * torch.tensor([1, 1, 1, 6, 6])[:, None, None]).to(dtype)
     scale = d ** -0.5
     query_start = torch.arange(rows + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=seq_lens, dtype=torch.bfloat16,
+        num_reqs=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=seq_lens, dtype=dtype,
         query_start_loc=query_start, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
         dynamic_causal=None, kv_cache_dtype="auto")
-    expected = torch.zeros(rows, heads, d, dtype=torch.bfloat16)
+    expected = torch.zeros(rows, heads, d, dtype=dtype)
     zeroed_keys, zeroed_values = kv_cache.nan_to_num(0.0).view(blocks, kv_heads, 2 * block_size, d).chunk(2, dim=2)
     ops.cpu_attention_with_kv_cache(
         query=query, key_cache=zeroed_keys, value_cache=zeroed_values, output=expected, query_start_loc=query_start,
@@ -588,21 +590,22 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads, vllm_cpu
         # a serial build declines with two threads, leaving the step to vLLM's kernel)
         for count in (1, 2):
             torch.set_num_threads(count)
-            ours = torch.full((rows, heads * d), float("nan"), dtype=torch.bfloat16)
+            ours = torch.full((rows, heads * d), float("nan"), dtype=dtype)
             if decode_attention(query, ours, kv_cache, table, seq_lens, scale):
                 answers.append(ours)
             else:
                 assert count > 1 and not parallel()
         # more threads than (row, KV head) pairs: vLLM's kernel, which splits sequences between threads too
         torch.set_num_threads(rows * kv_heads + 1)
-        assert not decode_attention(query, torch.empty(rows, heads * d, dtype=torch.bfloat16), kv_cache, table,
+        assert not decode_attention(query, torch.empty(rows, heads * d, dtype=dtype), kv_cache, table,
                                     seq_lens, scale)
     finally:
         torch.set_num_threads(threads)
     # each (row, KV head) is computed by one thread the same way, whatever the count
     assert all(torch.equal(answers[0], other) for other in answers[1:])
     ours = answers[0].view(rows, heads, d).float()
-    step = 2.0 ** -7 * expected.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -6)  # bf16 step at the size
+    unit = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -14
+    step = unit * expected.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -6)  # a step at the size
     assert ((ours - expected.float()).abs() <= 2 * step).all()
     # and the comparison can fail: another row's answer is far off
     assert not ((ours.roll(1, dims=0) - expected.float()).abs() <= 2 * step).all()

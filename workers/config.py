@@ -70,10 +70,10 @@ class EngineConfig(BaseModel):
         "boundary, which inverse_cdf keeps whole, and tokens within float rounding of the min-p cut; seeded steps "
         "always sample with vLLM's path")
     decode_kernel: bool = Field(True, description="CPU only: a step in which every request decodes one token "
-                                "(pruned or not) attends with our kernel (kernels/csrc/decode_attention.c: bf16 "
-                                "dot products, one pass over each block read, on the engine's threads) where the "
-                                "CPU has AVX512-BF16 and the KV cache is bf16; False, or elsewhere, and in steps "
-                                "with a prompt chunk: vLLM's CPU attention")
+                                "(pruned or not) attends with our kernel (kernels/csrc/decode_attention.c: one "
+                                "pass over each block read, on the engine's threads) for a bf16 KV cache where the "
+                                "CPU has AVX512-BF16 (bf16 dot products), a float32 one where it has AVX2 and FMA; "
+                                "False, or elsewhere, and in steps with a prompt chunk: vLLM's CPU attention")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
         "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "

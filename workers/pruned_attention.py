@@ -16,9 +16,9 @@ order, current block last) and the matching shorter sequence length.
   by layer.
 * Attention of a step in which every row decodes one token, pruned or not: our kernel
   (kernels.cpu_decode_attention: bf16 dot products, online softmax, one pass over each block read, the next
-  one prefetched, rows and KV heads over the engine's OpenMP threads) where the CPU has AVX512-BF16 and the
-  cache is bf16 (``STATE.decode_kernel``, from ``engine.decode_kernel``); else, and for every step with a
-  prompt chunk, vLLM's kernel.
+  one prefetched, rows and KV heads over the engine's OpenMP threads) for a bf16 cache where the CPU has
+  AVX512-BF16, a float32 one where it has AVX2 and FMA (``STATE.decode_kernel``, from
+  ``engine.decode_kernel``); else, and for every step with a prompt chunk, vLLM's kernel.
 * Key summaries (per-channel min/max per block and KV head, in the cache's dtype) are computed lazily, for full
   blocks only, the first time a pruned row needs them (one C call reading the cache in place,
   kernels.cpu_summary, else the torch path), and dropped when a block's first slot is written

@@ -1,7 +1,7 @@
-/* Decode attention over vLLM's CPU paged KV cache ("vec" layout, bf16), for steps in which every row has one
- * query token (kernels/cpu_decode_attention.py says when the backend calls it).
+/* Decode attention over vLLM's CPU paged KV cache ("vec" layout, bf16 or float32), for steps in which every row
+ * has one query token (kernels/cpu_decode_attention.py says when the backend calls it).
  *
- * Cache: [blocks, KV heads, 2 * block_size * D] bf16, per block and KV head the keys channel-major
+ * Cache: [blocks, KV heads, 2 * block_size * D] bf16 or float32, per block and KV head the keys channel-major
  * ([D, block_size]) and then the values token-major ([block_size, D]): vLLM's "vec" ISA layout (pinned by
  * tests/test_vllm_pins.py). Row r attends to seq_lens[r] tokens, those of the blocks table[r, 0..] in order
  * (a pruned row's compacted table reads the same way).
@@ -12,8 +12,9 @@
  * dot products (two bf16 products per float32 lane and instruction, no conversion) read each block's keys
  * and values once for all G heads, and the softmax is online (running max and sum), so nothing is reduced
  * afterwards. Scores, softmax and sums are float32; the probabilities are rounded to bf16 for the products
- * with the values, as vLLM's AMX kernel does. Rows and KV heads are spread over the engine's threads with
- * OpenMP where the build has it (kernels/cbuild.py adds -fopenmp): the process's libgomp is torch's, already
+ * with the values, as vLLM's AMX kernel does. A float32 cache (the engine's dtype where the CPU has no
+ * AVX512-BF16) gets the same structure with AVX2 FMA, all in float32. Rows and KV heads are spread over the
+ * engine's threads with OpenMP where the build has it (kernels/cbuild.py adds -fopenmp): the process's libgomp is torch's, already
  * loaded under the same soname, so this is the pool (and the core binding) vLLM's own kernels run on, not a
  * second one competing with it. Built with the AVX2 flags of kernels/cbuild.py; the AVX-512 functions carry
  * their own target and run only where the CPU has them.
@@ -192,6 +193,109 @@ static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_
         }
     }
 }
+/* float32 cache and query (the engine's dtype on CPUs without AVX512-BF16, where bf16 is emulated): AVX2 FMA.
+ * scores[h][t0..t0+16] = q[h] . k[:, t] for up to 4 heads in registers; pf (or NULL): keys of the block to come,
+ * one of whose lines each step prefetches (bs/16 calls x d steps cover its bs*d*4 bytes). */
+static inline __attribute__((always_inline)) void f32_score16(int nh, const float *q, const float *keys, int64_t bs,
+                                                              int t0, int d, float scale, float *scores,
+                                                              const char *pf) {
+    __m256 s0[4], s1[4];
+    for (int h = 0; h < nh; h++) s0[h] = s1[h] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c++) {
+        if (pf) _mm_prefetch(pf + ((int64_t)(t0 / 16) * d + c) * 64, _MM_HINT_T1);
+        __m256 k0 = _mm256_loadu_ps(keys + c * bs + t0), k1 = _mm256_loadu_ps(keys + c * bs + t0 + 8);
+        for (int h = 0; h < nh; h++) {
+            __m256 qc = _mm256_broadcast_ss(q + h * MAX_D + c);
+            s0[h] = _mm256_fmadd_ps(k0, qc, s0[h]);
+            s1[h] = _mm256_fmadd_ps(k1, qc, s1[h]);
+        }
+    }
+    __m256 sc = _mm256_set1_ps(scale);
+    for (int h = 0; h < nh; h++) {
+        _mm256_storeu_ps(scores + h * MAX_BS + t0, _mm256_mul_ps(s0[h], sc));
+        _mm256_storeu_ps(scores + h * MAX_BS + t0 + 8, _mm256_mul_ps(s1[h], sc));
+    }
+}
+
+/* acc[h][c0..c0+16] += sum_t p[h][t] v[t][c0..c0+16] over the first `valid` tokens (rows past it never read);
+ * pf (or NULL): values of the block to come, one line per step as in f32_score16. */
+static inline __attribute__((always_inline)) void f32_accumulate16(int nh, const float *p, const float *values,
+                                                                   int valid, int d, int c0, float *acc, int bs,
+                                                                   const char *pf) {
+    __m256 a0[4], a1[4];
+    for (int h = 0; h < nh; h++) {
+        a0[h] = _mm256_loadu_ps(acc + h * MAX_D + c0);
+        a1[h] = _mm256_loadu_ps(acc + h * MAX_D + c0 + 8);
+    }
+    for (int t = 0; t < valid; t++) {
+        if (pf) _mm_prefetch(pf + ((int64_t)(c0 / 16) * bs + t) * 64, _MM_HINT_T1);
+        __m256 v0 = _mm256_loadu_ps(values + (int64_t)t * d + c0), v1 = _mm256_loadu_ps(values + (int64_t)t * d + c0 + 8);
+        for (int h = 0; h < nh; h++) {
+            __m256 pt = _mm256_broadcast_ss(p + h * MAX_BS + t);
+            a0[h] = _mm256_fmadd_ps(v0, pt, a0[h]);
+            a1[h] = _mm256_fmadd_ps(v1, pt, a1[h]);
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        _mm256_storeu_ps(acc + h * MAX_D + c0, a0[h]);
+        _mm256_storeu_ps(acc + h * MAX_D + c0 + 8, a1[h]);
+    }
+}
+
+/* One row and KV head over its n tokens, all float32, the same online softmax as dot_attend. Needs d % 16 == 0
+ * and bs % 16 == 0. after: as in dot_attend. */
+static void f32_attend(int g, const float *query, const char *cache_head, const int32_t *blocks, int n,
+                       int64_t block_span, int bs, int d, float scale, float *out, const char *after) {
+    float q[MAX_G * MAX_D], scores[MAX_G * MAX_BS], acc[MAX_G * MAX_D], m[MAX_G], l[MAX_G];
+    for (int h = 0; h < g; h++) {
+        memcpy(q + h * MAX_D, query + (int64_t)h * d, sizeof(float) * d);
+        memset(acc + h * MAX_D, 0, sizeof(float) * d);
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    for (int b = 0; b * bs < n; b++) {
+        const float *keys = (const float *)(cache_head + (int64_t)blocks[b] * block_span * 4);
+        const float *values = keys + (int64_t)bs * d;
+        int valid = n - b * bs < bs ? n - b * bs : bs;
+        const char *next = b * bs + bs < n ? cache_head + (int64_t)blocks[b + 1] * block_span * 4 : after;
+        for (int h0 = 0; h0 < g; h0 += 4) {
+            int nh = g - h0 < 4 ? g - h0 : 4;
+            for (int t0 = 0; t0 < valid; t0 += 16)
+                DISPATCH_HEADS(nh, f32_score16(n_, q + h0 * MAX_D, keys, bs, t0, d, scale, scores + h0 * MAX_BS,
+                                               h0 == 0 ? next : NULL))
+        }
+        for (int h = 0; h < g; h++) {
+            float *s = scores + h * MAX_BS;
+            __m256 vtop = _mm256_set1_ps(m[h]);
+            int t = 0;
+            for (; t + 8 <= valid; t += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(s + t));
+            float top = hmax256(vtop);
+            for (; t < valid; t++) top = s[t] > top ? s[t] : top;
+            float rescale = exp_scalar(m[h] - top), sum = 0.0f;
+            for (t = 0; t + 8 <= valid; t += 8) {
+                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
+                _mm256_storeu_ps(s + t, e);
+                float lanes[8];
+                _mm256_storeu_ps(lanes, e);
+                for (int j = 0; j < 8; j++) sum += lanes[j];
+            }
+            for (; t < valid; t++) sum += (s[t] = exp_scalar(s[t] - top));
+            l[h] = l[h] * rescale + sum;
+            m[h] = top;
+            for (int c = 0; c < d; c++) acc[h * MAX_D + c] *= rescale;
+        }
+        for (int h0 = 0; h0 < g; h0 += 4) {
+            int nh = g - h0 < 4 ? g - h0 : 4;
+            for (int c0 = 0; c0 < d; c0 += 16)
+                DISPATCH_HEADS(nh, f32_accumulate16(n_, scores + h0 * MAX_BS, values, valid, d, c0, acc + h0 * MAX_D,
+                                                    bs, h0 == 0 && next ? next + (int64_t)bs * d * 4 : NULL))
+        }
+    }
+    for (int h = 0; h < g; h++) {
+        float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int c = 0; c < d; c++) out[(int64_t)h * d + c] = acc[h * MAX_D + c] * inv;
+    }
+}
 #endif
 
 /* 1 where this build spreads its work over threads (OpenMP), 0 where it runs on the calling thread only. */
@@ -203,22 +307,28 @@ int entropic_decode_attention_parallel(void) {
 #endif
 }
 
-/* query [rows, heads, d] bf16 with row stride q_stride (elements), out likewise; heads = kv_heads * g, the heads
- * of KV head k being k*g .. k*g+g-1 (vLLM's grouping). table: int32 with row stride table_stride. threads: how
- * many of the OpenMP pool's threads to use (the engine's count; ignored by a serial build). Returns 0, or -1
- * (nothing written) where this build or CPU cannot (bf16_dot: the caller found AVX512-BF16 and AVX512BW) or the
+/* query [rows, heads, d] with row stride q_stride (elements), out likewise, in the cache's dtype; heads = kv_heads * g,
+ * the heads of KV head k being k*g .. k*g+g-1 (vLLM's grouping). table: int32 with row stride table_stride. kind:
+ * DECODE_BF16_DOT (bf16, where the caller found AVX512-BF16 and AVX512BW) or DECODE_F32 (float32, AVX2 and FMA,
+ * which this build has wherever the host has them). threads: how many of the OpenMP pool's threads to use (the
+ * engine's count; ignored by a serial build). Returns 0, or -1 (nothing written) where this build cannot or the
  * shapes are outside the limits. */
+#define DECODE_BF16_DOT 1
+#define DECODE_F32 2
 int entropic_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *cache,
                               int64_t num_blocks, int kv_heads, int bs, int d, int g, const int32_t *table,
-                              int64_t table_stride, const int32_t *seq_lens, int rows, float scale, int bf16_dot,
+                              int64_t table_stride, const int32_t *seq_lens, int rows, float scale, int kind,
                               int threads) {
-    if (d > MAX_D || g > MAX_G || bs > MAX_BS || d < 32 || g < 1 || bs < 32 || d % 32 || bs % 32 || !bf16_dot)
+    const int lanes = kind == DECODE_BF16_DOT ? 32 : 16;
+    if ((kind != DECODE_BF16_DOT && kind != DECODE_F32) || d > MAX_D || g > MAX_G || bs > MAX_BS || d < lanes ||
+        g < 1 || bs < lanes || d % lanes || bs % lanes)
         return -1;
     for (int r = 0; r < rows; r++)
         for (int b = 0; b * bs < seq_lens[r]; b++)
             if (table[(int64_t)r * table_stride + b] < 0 || table[(int64_t)r * table_stride + b] >= num_blocks)
                 return -1;
 #if defined(__AVX2__) && defined(__FMA__)
+    const int64_t elem = kind == DECODE_BF16_DOT ? 2 : 4;
     const int64_t head_span = 2 * (int64_t)bs * d, block_span = kv_heads * head_span;
     const int units = rows * kv_heads;
     /* dynamic: a unit's cost is its row's kept length, which differs between rows by up to the whole context */
@@ -231,11 +341,16 @@ int entropic_decode_attention(const void *query, int64_t q_stride, void *out, in
         if ((threads <= 1 || units == 1) && u + 1 < units) {
             const int r1 = (u + 1) / kv_heads, kv1 = (u + 1) % kv_heads;
             if (seq_lens[r1] > 0)
-                after = (const char *)cache + kv1 * head_span * 2 + (int64_t)table[r1 * table_stride] * block_span * 2;
+                after = (const char *)cache + (kv1 * head_span + (int64_t)table[r1 * table_stride] * block_span) * elem;
         }
-        dot_attend(g, (const uint16_t *)query + r * q_stride + (int64_t)kv * g * d,
-                   (const char *)cache + kv * head_span * 2, table + r * table_stride, seq_lens[r], block_span, bs,
-                   d, scale, (uint16_t *)out + r * out_stride + (int64_t)kv * g * d, after);
+        const char *head = (const char *)cache + kv * head_span * elem;
+        const int64_t q_at = r * q_stride + (int64_t)kv * g * d, out_at = r * out_stride + (int64_t)kv * g * d;
+        if (kind == DECODE_BF16_DOT)
+            dot_attend(g, (const uint16_t *)query + q_at, head, table + r * table_stride, seq_lens[r], block_span,
+                       bs, d, scale, (uint16_t *)out + out_at, after);
+        else
+            f32_attend(g, (const float *)query + q_at, head, table + r * table_stride, seq_lens[r], block_span, bs,
+                       d, scale, (float *)out + out_at, after);
     }
     return 0;
 #else
