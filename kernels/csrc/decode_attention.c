@@ -7,17 +7,17 @@
  * (a pruned row's compacted table reads the same way).
  *
  * Why a kernel of our own: vLLM's "vec" kernel is a general tile GEMM in float32 (each bf16 key and value
- * converted, QK into a logits buffer, softmax, PV, partial outputs reduced afterwards). For one query token
- * per row, the G query heads of a KV head against a block are small enough for registers: here AVX512-BF16
- * dot products (two bf16 products per float32 lane and instruction, no conversion) read each block's keys
- * and values once for all G heads, and the softmax is online (running max and sum), so nothing is reduced
- * afterwards. Scores, softmax and sums are float32; the probabilities are rounded to bf16 for the products
- * with the values, as vLLM's AMX kernel does. A float32 cache (the engine's dtype where the CPU has no
- * AVX512-BF16) gets the same structure with AVX2 FMA, all in float32. Rows and KV heads are spread over the
- * engine's threads with OpenMP where the build has it (kernels/cbuild.py adds -fopenmp): the process's libgomp is torch's, already
- * loaded under the same soname, so this is the pool (and the core binding) vLLM's own kernels run on, not a
- * second one competing with it. Built with the AVX2 flags of kernels/cbuild.py; the AVX-512 functions carry
- * their own target and run only where the CPU has them.
+ * converted, QK into a logits buffer, softmax, PV, partial outputs reduced afterwards). For one query token per
+ * row, the G query heads of a KV head against a block are small enough for registers: here AVX512-BF16 dot
+ * products (two bf16 products per float32 lane and instruction, no conversion) read each block's keys and
+ * values once for all G heads, and the softmax is online (running max and sum), so nothing is reduced
+ * afterwards. Scores, softmax and sums are float32; the probabilities are rounded to bf16 for the products with
+ * the values, as vLLM's AMX kernel does. A float32 cache (the engine's dtype where the CPU has no AVX512-BF16)
+ * gets the same structure with AVX2 FMA, all in float32. Rows and KV heads are spread over the engine's threads
+ * with OpenMP where the build has it (kernels/cbuild.py adds -fopenmp): the process's libgomp is torch's,
+ * already loaded under the same soname, so this is the pool (and the core binding) vLLM's own kernels run on,
+ * not a second one competing with it. Built with the AVX2 flags of kernels/cbuild.py; the AVX-512 functions
+ * carry their own target and run only where the CPU has them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -229,7 +229,8 @@ static inline __attribute__((always_inline)) void f32_accumulate16(int nh, const
     }
     for (int t = 0; t < valid; t++) {
         if (pf) _mm_prefetch(pf + ((int64_t)(c0 / 16) * bs + t) * 64, _MM_HINT_T1);
-        __m256 v0 = _mm256_loadu_ps(values + (int64_t)t * d + c0), v1 = _mm256_loadu_ps(values + (int64_t)t * d + c0 + 8);
+        const float *row = values + (int64_t)t * d + c0;
+        __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
         for (int h = 0; h < nh; h++) {
             __m256 pt = _mm256_broadcast_ss(p + h * MAX_BS + t);
             a0[h] = _mm256_fmadd_ps(v0, pt, a0[h]);
@@ -338,7 +339,7 @@ int entropic_decode_attention(const void *query, int64_t q_stride, void *out, in
         /* on one thread the units run in order, so the last block can fetch the next unit's first; on several,
          * which thread takes the next unit is not known */
         const char *after = NULL;
-        if ((threads <= 1 || units == 1) && u + 1 < units) {
+        if (threads <= 1 && u + 1 < units) {
             const int r1 = (u + 1) / kv_heads, kv1 = (u + 1) % kv_heads;
             if (seq_lens[r1] > 0)
                 after = (const char *)cache + (kv1 * head_span + (int64_t)table[r1 * table_stride] * block_span) * elem;
