@@ -39,6 +39,28 @@
     default: { const int n_ = 4; call; } break;                    \
     }
 
+/* One block of the online softmax: s[0..valid) (scaled scores) become exp(s - running max), the running max *m
+ * and sum *l take the block in; returns the factor the values accumulated so far must be multiplied by. */
+static float softmax_block(float *s, int valid, float *m, float *l) {
+    __m256 vtop = _mm256_set1_ps(*m);
+    int t = 0;
+    for (; t + 8 <= valid; t += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(s + t));
+    float top = hmax256(vtop);
+    for (; t < valid; t++) top = s[t] > top ? s[t] : top;
+    float rescale = exp_scalar(*m - top), sum = 0.0f;
+    for (t = 0; t + 8 <= valid; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(s + t, e);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, e);
+        for (int j = 0; j < 8; j++) sum += lanes[j];
+    }
+    for (; t < valid; t++) sum += (s[t] = exp_scalar(s[t] - top));
+    *l = *l * rescale + sum;
+    *m = top;
+    return rescale;
+}
+
 #define BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 /* Lane k of unpacklo/hi_epi16 on 512 bits holds, for 128-bit lane L = k / 4, element 8L + k % 4 (lo) or
@@ -150,26 +172,11 @@ static BF16_DOT void dot_attend(int g, const uint16_t *query, const char *cache_
         int padded = (valid + 31) & ~31;
         for (int h = 0; h < g; h++) {
             float *s = scores + h * MAX_BS;
-            __m512 vtop = _mm512_set1_ps(m[h]);
-            int t = 0;
-            for (; t + 16 <= valid; t += 16) vtop = _mm512_max_ps(vtop, _mm512_loadu_ps(s + t));
-            float top = _mm512_reduce_max_ps(vtop);
-            for (; t < valid; t++) top = s[t] > top ? s[t] : top;
-            float rescale = exp_scalar(m[h] - top), sum = 0.0f;
-            for (t = 0; t + 8 <= valid; t += 8) {
-                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
-                _mm256_storeu_ps(s + t, e);
-                float lanes[8];
-                _mm256_storeu_ps(lanes, e);
-                for (int j = 0; j < 8; j++) sum += lanes[j];
-            }
-            for (; t < valid; t++) sum += (s[t] = exp_scalar(s[t] - top));
-            for (; t < padded; t++) s[t] = 0.0f; /* past the sequence: weigh nothing */
-            l[h] = l[h] * rescale + sum;
-            m[h] = top;
+            float rescale = softmax_block(s, valid, m + h, l + h);
+            for (int t = valid; t < padded; t++) s[t] = 0.0f; /* past the sequence: weigh nothing */
             __m512 r = _mm512_set1_ps(rescale);
             for (int j = 0; j < d / 16; j++) acc[h * (MAX_D / 16) + j] = _mm512_mul_ps(acc[h * (MAX_D / 16) + j], r);
-            for (t = 0; t < padded; t += 32) {
+            for (int t = 0; t < padded; t += 32) {
                 __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
                 _mm512_storeu_si512(pp + h * (MAX_BS / 2) + t / 2, (__m512i)p);
             }
@@ -266,23 +273,7 @@ static void f32_attend(int g, const float *query, const char *cache_head, const 
                                                h0 == 0 ? next : NULL))
         }
         for (int h = 0; h < g; h++) {
-            float *s = scores + h * MAX_BS;
-            __m256 vtop = _mm256_set1_ps(m[h]);
-            int t = 0;
-            for (; t + 8 <= valid; t += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(s + t));
-            float top = hmax256(vtop);
-            for (; t < valid; t++) top = s[t] > top ? s[t] : top;
-            float rescale = exp_scalar(m[h] - top), sum = 0.0f;
-            for (t = 0; t + 8 <= valid; t += 8) {
-                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
-                _mm256_storeu_ps(s + t, e);
-                float lanes[8];
-                _mm256_storeu_ps(lanes, e);
-                for (int j = 0; j < 8; j++) sum += lanes[j];
-            }
-            for (; t < valid; t++) sum += (s[t] = exp_scalar(s[t] - top));
-            l[h] = l[h] * rescale + sum;
-            m[h] = top;
+            float rescale = softmax_block(scores + h * MAX_BS, valid, m + h, l + h);
             for (int c = 0; c < d; c++) acc[h * MAX_D + c] *= rescale;
         }
         for (int h0 = 0; h0 < g; h0 += 4) {
