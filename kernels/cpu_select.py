@@ -11,12 +11,16 @@ import ctypes
 import torch
 
 from kernels import cbuild
+from kernels.hardware import cpu_flags
+
+# the CPU flags of the kernel's bf16 dot-product scoring (a bf16 query and bf16 summaries; else float FMA)
+_BF16_DOT = frozenset({"avx512_bf16", "avx512bw"})
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.entropic_select_blocks.argtypes = [p, i32, i64, p, p, i32, i64, p, p, p, i32, i32, i32, i32, i32,
-                                           ctypes.c_float, p, i64, p, i32]
+                                           ctypes.c_float, p, i64, p, i32, i32]
     lib.entropic_select_blocks.restype = i32
 
 
@@ -56,5 +60,5 @@ def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torc
         query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), tokens.data_ptr(), summaries.data_ptr(),
         int(summaries.dtype == torch.bfloat16), summaries.shape[1], physical.data_ptr(), bias.data_ptr(),
         keep.data_ptr(), len(rows), kv_heads, heads // kv_heads, d, physical.shape[1], float(scale), table.data_ptr(),
-        table.stride(0), rows.data_ptr(), torch.get_num_threads())
+        table.stride(0), rows.data_ptr(), torch.get_num_threads(), int(_BF16_DOT <= cpu_flags()))
     return status == 0

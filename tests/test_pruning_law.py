@@ -130,13 +130,15 @@ def test_selection_keeps_sink_and_current_block_in_order():
 
 
 # group: query heads per KV head; 1-8 take the kernel's unrolled paths, 12 its general loop; the query is
-# read in place from a layer's [tokens, heads, D] query (float32 or bf16, rows strided as a slice of vLLM's qkv);
+# read in place from a layer's [tokens, heads, D] query (float32 or bf16, rows strided as a slice of vLLM's qkv;
+# a bf16 query with bf16 summaries takes the AVX512-BF16 scoring on CPUs that have it, the float one elsewhere);
 # the summaries are in the cache's dtype (float32 or bf16)
 @pytest.mark.parametrize("seed,group,dtype,summary_dtype", [
     (0, 3, torch.float32, torch.float32), (1, 3, torch.bfloat16, torch.bfloat16),
     (2, 3, torch.float32, torch.float32), (3, 1, torch.bfloat16, torch.bfloat16),
     (4, 8, torch.float32, torch.float32), (5, 12, torch.float32, torch.float32),
-    (6, 3, torch.bfloat16, torch.float32), (7, 12, torch.bfloat16, torch.bfloat16)])
+    (6, 3, torch.bfloat16, torch.float32), (7, 12, torch.bfloat16, torch.bfloat16),
+    (8, 5, torch.bfloat16, torch.bfloat16)])
 def test_fused_cpu_selection_matches_the_torch_path(seed, group, dtype, summary_dtype):
     from kernels.cpu_select import load, select_into_table
 

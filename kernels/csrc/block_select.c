@@ -13,7 +13,8 @@
  * (kernels/cbuild.py builds it on first use or at install). Rows are spread over the engine's threads with
  * OpenMP where the build has it: the pool torch and vLLM's kernels run on (torch's libgomp, loaded under the
  * same soname), not a second runtime fighting it for the cores (see decode_attention.c). The dot products
- * use AVX2/FMA when the build machine has them (kernels/cbuild.py picks the flags), else scalar C.
+ * use AVX512-BF16 where the query and summaries are bf16 and the caller found the CPU has it, else AVX2/FMA when
+ * the build machine has them (kernels/cbuild.py picks the flags), else scalar C.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,7 +25,10 @@
 
 #define MAX_W 8192
 #define MAX_GD 4096
-#define PREFETCH 4 /* blocks ahead */
+#define PREFETCH 8 /* blocks ahead */
+/* into L2 (prefetcht1): into L1 the prefetches waited on its miss buffers, as decode_attention.c's did (measured
+ * by loadtest/bench_cpu_kernels.py, its selection column: docs/results/cpu-kernels-*) */
+#define PREFETCH_LOCALITY 2
 
 /* The k-th largest value (k >= 1) of a[0..n), reordering a (Hoare quickselect). */
 static float kth_largest(float *a, int n, int k) {
@@ -84,6 +88,20 @@ static inline __attribute__((always_inline)) float max_dot_fixed(const float *sq
 }
 #endif
 
+/* one block's summary (block_bytes from at) */
+static inline void prefetch_summary(const char *at, int64_t block_bytes) {
+    for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(at + line, 0, PREFETCH_LOCALITY);
+}
+
+/* The first PREFETCH blocks' summaries of each KV head of row p: the scoring loops prefetch PREFETCH blocks ahead
+ * within a head, so without this each of a row's heads would start on blocks not yet asked for. */
+static void prefetch_row_start(const char *summaries, int64_t num_blocks, int64_t block_bytes, int kv_heads,
+                               const int64_t *phys, int width) {
+    for (int h = 0; h < kv_heads; h++)
+        for (int w = 0; w < PREFETCH && w < width; w++)
+            prefetch_summary(summaries + ((int64_t)h * num_blocks + phys[w]) * block_bytes, block_bytes);
+}
+
 /* element i of a float32 or bf16 array */
 static inline float value_at(const void *row, int bf16, int64_t i) {
     if (!bf16) return ((const float *)row)[i];
@@ -106,6 +124,65 @@ static inline float value_at(const void *row, int bf16, int64_t i) {
         case 8: return max_dot_fixed(sq, s, n, 8, BF16);                  \
         default: break;                                                   \
     }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+/* max over g < GROUP of sq[g] . s with bf16 [q+ | q-] rows and a bf16 summary: one AVX512-BF16 dot product per 32
+ * channels and head (pairs of exact bf16 products summed in float32), where the float path converts each summary
+ * value to float and needs four times the instructions. n % 32 == 0. */
+static inline __attribute__((always_inline)) BF16_DOT float max_dot_bf16(const uint16_t *sq, const uint16_t *s,
+                                                                         int n, const int GROUP) {
+    __m512 acc[8];
+    for (int g = 0; g < GROUP; g++) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < n; c += 32) {
+        __m512bh sv = (__m512bh)_mm512_loadu_si512(s + c);
+        for (int g = 0; g < GROUP; g++)
+            acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(sq + g * n + c), sv);
+    }
+    float best = -INFINITY;
+    for (int g = 0; g < GROUP; g++) {
+        float v = _mm512_reduce_add_ps(acc[g]);
+        if (v > best) best = v;
+    }
+    return best;
+}
+
+/* scores[w] = max(scores[w], max_g sq[g] . summary) over one KV head's blocks, those bias forces in or out
+ * skipped; sh: the head's summaries, phys[w] the physical id of logical block w. GROUP is a constant at each call
+ * (groups over 8 take one head at a time). */
+static inline __attribute__((always_inline)) BF16_DOT void score_head_bf16_fixed(
+        const uint16_t *sq, const char *sh, const int64_t *phys, const float *b, int width, int group, int n,
+        float *scores, const int GROUP) {
+    const int64_t block_bytes = (int64_t)n * 2;
+    for (int w = 0; w < width; w++) {
+        if (w + PREFETCH < width) prefetch_summary(sh + phys[w + PREFETCH] * block_bytes, block_bytes);
+        if (isinf(b[w])) continue;
+        const uint16_t *s = (const uint16_t *)(sh + phys[w] * block_bytes);
+        float acc = -INFINITY;
+        for (int g = 0; g < group; g += GROUP) {
+            float v = max_dot_bf16(sq + (int64_t)g * n, s, n, GROUP);
+            if (v > acc) acc = v;
+        }
+        if (acc > scores[w]) scores[w] = acc;
+    }
+}
+
+static BF16_DOT void score_head_bf16(const uint16_t *sq, const char *sh, const int64_t *phys, const float *b,
+                                     int width, int group, int n, float *scores) {
+    switch (group) {
+        case 1: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 1); break;
+        case 2: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 2); break;
+        case 3: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 3); break;
+        case 4: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 4); break;
+        case 5: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 5); break;
+        case 6: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 6); break;
+        case 7: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 7); break;
+        case 8: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 8); break;
+        default: score_head_bf16_fixed(sq, sh, phys, b, width, group, n, scores, 1); break;
+    }
+}
 #endif
 
 static float max_dot(const float *sq, const void *s, int s_bf16, int group, int n) {
@@ -134,37 +211,58 @@ int entropic_select_blocks(const void *query, int query_bf16, int64_t query_stri
                            const void *summaries, int summaries_bf16, int64_t num_blocks,
                            const int64_t *physical, const float *bias, const int64_t *keep,
                            int rows, int kv_heads, int group, int d, int width, float scale,
-                           int32_t *table, int64_t table_stride, const int64_t *table_rows, int threads) {
+                           int32_t *table, int64_t table_stride, const int64_t *table_rows, int threads,
+                           int bf16_dot) {
     if (width > MAX_W || group * 2 * d > MAX_GD) return -1;
     const int d2 = 2 * d;
     (void)threads;
+#if defined(__AVX2__) && defined(__FMA__)
+    bf16_dot = bf16_dot && query_bf16 && summaries_bf16 && d2 % 32 == 0;
+#else
+    bf16_dot = 0;
+#endif
     /* rows: each writes its own table row; equal work but for the widths of their contexts */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && rows > 1)
     for (int p = 0; p < rows; p++) {
         float scores[MAX_W], work[MAX_W], signed_q[MAX_GD];
+        uint16_t signed_q16[MAX_GD];
         const int64_t *phys = physical + (int64_t)p * width;
         const float *b = bias + (int64_t)p * width;
         for (int w = 0; w < width; w++) scores[w] = -INFINITY;
+        const int64_t block_bytes = d2 * (summaries_bf16 ? 2 : 4);
+        /* on one thread the rows run in order, so this row's start was asked for during the last one */
+        if (threads > 1 || p == 0) prefetch_row_start(summaries, num_blocks, block_bytes, kv_heads, phys, width);
+        if (threads <= 1 && p + 1 < rows)
+            prefetch_row_start(summaries, num_blocks, block_bytes, kv_heads, phys + width, width);
         for (int h = 0; h < kv_heads; h++) {
             /* [q+ | q-] per query head of this KV head's group: max(q k_max, q k_min) channel-wise
              * is q+ k_max + q- k_min, one dot product against the packed (kmax | kmin) summary */
             const char *qrow = (const char *)query + query_tokens[p] * query_stride * (query_bf16 ? 2 : 4);
+            const char *sh = (const char *)summaries + (int64_t)h * num_blocks * block_bytes;
+#if defined(__AVX2__) && defined(__FMA__)
+            if (bf16_dot) { /* the same split on the bf16 bits: exact, so the products are those of the float path */
+                const uint16_t *q16 = (const uint16_t *)qrow + (int64_t)h * group * d;
+                for (int g = 0; g < group; g++)
+                    for (int c = 0; c < d; c++) {
+                        uint16_t v = q16[g * d + c];
+                        signed_q16[g * d2 + c] = v & 0x8000 ? 0 : v;
+                        signed_q16[g * d2 + d + c] = v & 0x8000 ? v : 0;
+                    }
+                score_head_bf16(signed_q16, sh, phys, b, width, group, d2, scores);
+                continue;
+            }
+#endif
             for (int g = 0; g < group; g++)
                 for (int c = 0; c < d; c++) {
                     float v = value_at(qrow, query_bf16, (h * group + g) * d + c);
                     signed_q[g * d2 + c] = v > 0.f ? v : 0.f;
                     signed_q[g * d2 + d + c] = v < 0.f ? v : 0.f;
                 }
-            const int64_t bytes = summaries_bf16 ? 2 : 4, block_bytes = d2 * bytes;
-            const char *sh = (const char *)summaries + (int64_t)h * num_blocks * block_bytes;
             for (int w = 0; w < width; w++) {
                 /* The blocks' summaries lie at scattered physical ids, usually out of cache (the step's
                  * weights streamed through since the last layer): ask for the one PREFETCH blocks
                  * ahead now, so its loads overlap this block's dot products instead of waiting */
-                if (w + PREFETCH < width) {
-                    const char *ahead = sh + phys[w + PREFETCH] * block_bytes;
-                    for (int line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line);
-                }
+                if (w + PREFETCH < width) prefetch_summary(sh + phys[w + PREFETCH] * block_bytes, block_bytes);
                 if (isinf(b[w])) continue; /* forced in or out: no need to score */
                 float acc = max_dot(signed_q, sh + phys[w] * block_bytes, summaries_bf16, group, d2);
                 if (acc > scores[w]) scores[w] = acc;
