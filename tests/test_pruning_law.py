@@ -129,6 +129,35 @@ def test_selection_keeps_sink_and_current_block_in_order():
     assert full[0].tolist() == list(range(6))
 
 
+def test_block_information_follows_each_added_surprisal():
+    """log S_b, kept current incrementally across steps, equals the per-block formula recomputed from scratch."""
+    from workers.pruning_state import RequestPruning
+
+    def reference(track: RequestPruning, n: int, bs: int) -> list[float]:
+        mean = track.surprisal_total / track.surprisal_count
+        out = []
+        for b in range(n):
+            known = track.known_tokens[b] if b < len(track.known_tokens) else 0
+            total = track.block_surprisal[b] if b < len(track.block_surprisal) else 0.0
+            out.append(math.log(max(total + (bs - known) * mean, 1e-6)))
+        return out
+
+    gen = torch.Generator().manual_seed(0)
+    track, bs = RequestPruning.from_args({}), 4
+    assert track.log_info(3, bs) is None  # nothing known yet
+    track.add_surprisal(0, [float(v) for v in torch.rand(9, generator=gen)] + [None, float("nan")], bs)
+    position = 11
+    for step in range(12):  # decode: one token a step, crossing block ends; asked for more blocks than known
+        n = position // bs + 1 + step % 3
+        got = track.log_info(n, bs)
+        assert got is not None and got.dtype == torch.float64
+        assert got.tolist() == pytest.approx(reference(track, n, bs), rel=1e-12, abs=1e-12)
+        track.add_surprisal(position, [float(torch.rand(1, generator=gen)) * 5], bs)
+        position += 1
+    track.add_surprisal(2, [0.0], bs)  # a late value for an early block reaches the cached rows too
+    assert track.log_info(4, bs).tolist() == pytest.approx(reference(track, 4, bs), rel=1e-12, abs=1e-12)
+
+
 # group: query heads per KV head; 1-8 take the kernel's unrolled paths, 12 its general loop; the query is
 # read in place from a layer's [tokens, heads, D] query (float32 or bf16, rows strided as a slice of vLLM's qkv;
 # a bf16 query with bf16 summaries takes the AVX512-BF16 scoring on CPUs that have it, the float one elsewhere);

@@ -44,6 +44,7 @@ class PrunePlan:
     summarize: torch.Tensor  # physical blocks whose summaries every layer computes this step
     table: torch.Tensor  # scratch block table; each layer writes its choice into the pruned rows
     dense: Any = None  # unpruned metadata, for the dense first layers
+    pruned: Any = None  # the step's metadata on ``table``: copied once, for all the pruned layers
 
 
 class PruningPlanner:
@@ -115,7 +116,7 @@ class PruningPlanner:
                 keep.append(k)
                 nblocks.append(n)
                 info = track.log_info(n, bs)
-                infos.append(None if info is None else [track.info_weight * x for x in info])
+                infos.append(None if info is None else info * track.info_weight)
         if not rows:
             return None, cm
 
@@ -136,7 +137,7 @@ class PruningPlanner:
             log_info = torch.zeros(len(rows), width)
             for j, info in enumerate(infos):
                 if info is not None:
-                    log_info[j, : len(info)] = torch.tensor(info)
+                    log_info[j, : len(info)] = info
         span = torch.arange(width, device=device)[None, :]
         interior = (span >= 1) & (span < nb_t.to(device)[:, None] - 1)
         candidates = physical[interior].unique()
@@ -191,7 +192,9 @@ class PrunedLayers:
             metadata = plan.dense
         else:
             started = time.perf_counter()
-            metadata = copy.copy(attn_metadata)
+            if plan.pruned is None:
+                plan.pruned = copy.copy(attn_metadata)
+            metadata = plan.pruned
             metadata.block_table = self._compacted_table(layer, query, kv_cache, plan)
             STATE.stats.selection_seconds += time.perf_counter() - started
         # pruned or not, a step the backend's own decode kernel suits is its (the kernel reads the same cache)

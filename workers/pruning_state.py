@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from controller.laws.pruning import PruningLaw, blocks_to_keep, next_keep_fraction
 
 
@@ -29,6 +31,10 @@ class RequestPruning:
     surprisal_total: float = 0.0
     surprisal_count: int = 0
     kept_log: list[tuple[int, int]] = field(default_factory=list)  # (kept, total) per decode step, drained
+    # block_surprisal and known_tokens as float64 rows [2, capacity], current for the blocks before _synced: the
+    # planner asks for every row's log S_b in every step, and a step adds surprisal to the last block only
+    _sums: torch.Tensor = field(default_factory=lambda: torch.zeros(2, 0, dtype=torch.float64), repr=False)
+    _synced: int = 0
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> RequestPruning:
@@ -50,20 +56,29 @@ class RequestPruning:
                 self.known_tokens.append(0)
             self.block_surprisal[b] += s
             self.known_tokens[b] += 1
+            self._synced = min(self._synced, b)
             self.surprisal_total += s
             self.surprisal_count += 1
 
-    def log_info(self, num_blocks: int, block_size: int) -> list[float] | None:
-        """log S_b for the first num_blocks blocks; unknown tokens count at the request's mean surprisal."""
+    def log_info(self, num_blocks: int, block_size: int) -> torch.Tensor | None:
+        """log S_b [num_blocks] float64 for the first num_blocks blocks; unknown tokens count at the request's mean
+        surprisal."""
         if not self.surprisal_count or self.info_weight == 0.0:
             return None
+        have = len(self.block_surprisal)
+        if self._sums.shape[1] < max(have, num_blocks):
+            grown = torch.zeros(2, max(have, num_blocks, 2 * self._sums.shape[1]), dtype=torch.float64)
+            grown[:, : self._synced] = self._sums[:, : self._synced]
+            self._sums = grown
+        if self._synced < have:
+            lo = self._synced
+            self._sums[:, lo:have] = torch.tensor([self.block_surprisal[lo:], self.known_tokens[lo:]],
+                                                  dtype=torch.float64)
+            self._synced = have
         mean = self.surprisal_total / self.surprisal_count
-        out = []
-        for b in range(num_blocks):
-            known = self.known_tokens[b] if b < len(self.known_tokens) else 0
-            total = self.block_surprisal[b] if b < len(self.block_surprisal) else 0.0
-            out.append(math.log(max(total + (block_size - known) * mean, 1e-6)))
-        return out
+        # total + (block_size - known) * mean
+        total = torch.add(self._sums[0, :num_blocks], self._sums[1, :num_blocks], alpha=-mean)
+        return total.add_(block_size * mean).clamp_(min=1e-6).log_()
 
 
 class PruningStats:
