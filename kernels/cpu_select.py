@@ -15,6 +15,7 @@ from kernels.hardware import cpu_flags
 
 # the CPU flags of the kernel's bf16 dot-product scoring (a bf16 query and bf16 summaries; else float FMA)
 _BF16_DOT = frozenset({"avx512_bf16", "avx512bw"})
+_FLOATS = (torch.float32, torch.bfloat16)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -29,6 +30,29 @@ def load() -> ctypes.CDLL | None:
     return cbuild.load("block_select", _declare)
 
 
+# The plan's tensors (all but query and summaries) are the same objects in every layer of a step: their checks and
+# pointers are kept from the step's first call, with the tensors (so none is freed and its id reused meanwhile).
+_step: tuple[tuple[torch.Tensor, ...], tuple[int, ...] | None] = ((), None)
+
+
+def _step_args(tokens: torch.Tensor, physical: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor,
+               table: torch.Tensor, rows: torch.Tensor) -> tuple[int, ...] | None:
+    global _step
+    tensors = (tokens, physical, bias, keep, table, rows)
+    kept, args = _step
+    if len(kept) == len(tensors) and all(a is b for a, b in zip(kept, tensors)):
+        return args
+    expected = ((physical, torch.int64), (bias, torch.float32), (keep, torch.int64), (rows, torch.int64),
+                (tokens, torch.int64))
+    args = None
+    if (table.dtype == torch.int32 and table.stride(1) == 1
+            and all(t.dtype == dtype and t.is_contiguous() for t, dtype in expected)):
+        args = (tokens.data_ptr(), physical.data_ptr(), bias.data_ptr(), keep.data_ptr(), len(rows),
+                physical.shape[1], table.data_ptr(), table.stride(0), rows.data_ptr())
+    _step = (tensors, args)
+    return args
+
+
 def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torch.Tensor, physical: torch.Tensor,
                       bias: torch.Tensor, keep: torch.Tensor, scale: float, table: torch.Tensor,
                       rows: torch.Tensor) -> bool:
@@ -40,25 +64,20 @@ def select_into_table(query: torch.Tensor, tokens: torch.Tensor, summaries: torc
     with contiguous rows. Returns False (nothing written) when the library is unavailable or the shapes
     are outside its limits.
     """
-    if (table.dtype != torch.int32 or table.stride(1) != 1 or query.dim() != 3
-            or query.dtype not in (torch.float32, torch.bfloat16)):
+    if query.dim() != 3 or query.dtype not in _FLOATS or summaries.dtype not in _FLOATS:
         return False
     heads, d = query.shape[1:]
-    if query.stride(2) != 1 or query.stride(1) != d:
+    if query.stride(2) != 1 or query.stride(1) != d or not summaries.is_contiguous():
         return False
-    expected = ((physical, torch.int64), (bias, torch.float32), (keep, torch.int64), (rows, torch.int64),
-                (tokens, torch.int64))
-    if any(t.dtype != dtype or not t.is_contiguous() for t, dtype in expected):
-        return False
-    if summaries.dtype not in (torch.float32, torch.bfloat16) or not summaries.is_contiguous():
-        return False
+    step = _step_args(tokens, physical, bias, keep, table, rows)
     lib = load()
-    if lib is None:
+    if step is None or lib is None:
         return False
+    t_ptr, physical_ptr, bias_ptr, keep_ptr, count, width, table_ptr, table_stride, rows_ptr = step
     kv_heads = summaries.shape[0]
     status = lib.entropic_select_blocks(
-        query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), tokens.data_ptr(), summaries.data_ptr(),
-        int(summaries.dtype == torch.bfloat16), summaries.shape[1], physical.data_ptr(), bias.data_ptr(),
-        keep.data_ptr(), len(rows), kv_heads, heads // kv_heads, d, physical.shape[1], float(scale), table.data_ptr(),
-        table.stride(0), rows.data_ptr(), torch.get_num_threads(), int(_BF16_DOT <= cpu_flags()))
+        query.data_ptr(), query.dtype == torch.bfloat16, query.stride(0), t_ptr, summaries.data_ptr(),
+        summaries.dtype == torch.bfloat16, summaries.shape[1], physical_ptr, bias_ptr, keep_ptr, count, kv_heads,
+        heads // kv_heads, d, width, float(scale), table_ptr, table_stride, rows_ptr, torch.get_num_threads(),
+        _BF16_DOT <= cpu_flags())
     return status == 0
