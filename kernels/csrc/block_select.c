@@ -26,8 +26,9 @@
 #define MAX_W 8192
 #define MAX_GD 4096
 #define PREFETCH 8 /* blocks ahead */
-/* into L2 (prefetcht1): into L1 the prefetches waited on its miss buffers, as decode_attention.c's did (measured
- * by loadtest/bench_cpu_kernels.py, its selection column: docs/results/cpu-kernels-*) */
+/* into L2 (prefetcht1): with cold summaries, 8 blocks ahead into L2 was the fastest of the distances (4-16) and
+ * hints tried, 4 ahead into L1 (as before) the slowest; the whole change, timed by loadtest/bench_cpu_kernels.py's
+ * selection column: docs/results/cpu-kernels-selection-* */
 #define PREFETCH_LOCALITY 2
 
 /* The k-th largest value (k >= 1) of a[0..n), reordering a (Hoare quickselect). */
