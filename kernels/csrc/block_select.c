@@ -216,7 +216,6 @@ int entropic_select_blocks(const void *query, int query_bf16, int64_t query_stri
                            int bf16_dot) {
     if (width > MAX_W || group * 2 * d > MAX_GD) return -1;
     const int d2 = 2 * d;
-    (void)threads;
 #if defined(__AVX2__) && defined(__FMA__)
     bf16_dot = bf16_dot && query_bf16 && summaries_bf16 && d2 % 32 == 0;
 #else
