@@ -112,3 +112,63 @@ def test_a_step_counts_the_context_its_sequences_attend_over() -> None:
     step.total_num_scheduled_tokens = 238
     assert context_tokens(step) == 64 + 4000 + 3000 + 238
     assert context_tokens(SchedulerOutput.make_empty()) == 0
+
+
+POOLS_CHILD = textwrap.dedent("""
+    import json, os, sys, threading, torch
+    from pathlib import Path
+    from workers.step_threads import on_passing_thread, set_torch_threads
+
+    n = len(os.sched_getaffinity(0))
+    REGIONS = 400
+
+    def tasks():
+        return set(os.listdir("/proc/self/task"))
+
+    def sleeps(tid):
+        status = Path(f"/proc/self/task/{tid}/status").read_text()
+        return int(status.split("\\nvoluntary_ctxt_switches:")[1].split()[0])
+
+    def build():  # what an engine's load and warm-up leave behind: parallel regions at n threads
+        torch.ones(1 << 22).sum()
+
+    if sys.argv[1] == "passing":
+        on_passing_thread(build, n)
+    else:
+        set_torch_threads(n)
+        build()
+    out = {}
+
+    def step():  # the stepping thread: its own pool, then many short regions, as a decode step's
+        before = tasks()
+        set_torch_threads(n)
+        x = torch.ones(1 << 17)  # above at::parallel_for's grain: a region on every op
+        workers = tasks() - before
+        start = {t: sleeps(t) for t in workers}
+        for _ in range(REGIONS):
+            x.add_(1.0)
+        out["workers"] = len(workers)
+        out["sleeps_per_region"] = sum(sleeps(t) - start[t] for t in workers) / REGIONS / max(1, len(workers))
+
+    thread = threading.Thread(target=step)
+    thread.start(); thread.join()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="an OpenMP pool needs two threads")
+def test_an_engine_built_on_a_passing_thread_leaves_its_stepping_thread_the_only_openmp_pool() -> None:
+    """libgomp throttles its workers' spin-wait (to ~100 iterations) while its pools hold more threads than the
+    process has CPUs, so a pool left by the build makes every later region sleep and wake each worker. Runs
+    here: 0.0 sleeps a region built on a passing thread, 0.995-1.0 built on the caller's (five runs each)."""
+    def run(where: str) -> dict:
+        result = subprocess.run([sys.executable, "-c", POOLS_CHILD, where], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    passing, caller = run("passing"), run("caller")
+    workers = len(os.sched_getaffinity(0)) - 1
+    assert passing["workers"] == caller["workers"] == workers
+    assert passing["sleeps_per_region"] < 0.1, passing  # spinning between regions, as one pool does
+    assert caller["sleeps_per_region"] > 0.5, caller  # what the passing thread avoids: a futex round trip each

@@ -22,7 +22,7 @@ from controller.laws.entropic_time import EntropyTrace
 from workers.control_params import EntropicArgs
 from workers.errors import InvalidRequest, ReplicaUnavailable, RequestFailed, RequestMoved
 from workers.pruning_state import STATE as PRUNING
-from workers.step_threads import StepThreads, set_torch_threads, wrap_forward
+from workers.step_threads import StepThreads, on_passing_thread, set_torch_threads, wrap_forward
 
 logger = logging.getLogger(__name__)
 
@@ -178,24 +178,29 @@ class EngineRunner:
             given = list(logits_processors)
             processors.insert(given.index(EntropicLogitsProcessor) if EntropicLogitsProcessor in given else 0,
                               EntropicLogitsProcessor)
-        load_inductor_artifacts()  # before vLLM compiles or loads the model
-        self.engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
-        processed_logprobs_only_when_asked(model_runner(self.engine).sampler)
-        if cpu_sampler == "inverse_cdf":
-            from workers.cpu_sampler import inverse_cdf_sampling, sparse_penalties
+        import torch
 
-            runner = model_runner(self.engine)
-            if inverse_cdf_sampling(runner.sampler, runner.input_batch.logitsprocs):
-                sparse_penalties(runner.sampler)
+        def build() -> tuple[Any, int]:
+            load_inductor_artifacts()  # before vLLM compiles or loads the model
+            engine = LLMEngine.from_engine_args(EngineArgs(logits_processors=processors, **engine_kwargs))
+            processed_logprobs_only_when_asked(model_runner(engine).sampler)
+            if cpu_sampler == "inverse_cdf":
+                from workers.cpu_sampler import inverse_cdf_sampling, sparse_penalties
+
+                runner = model_runner(engine)
+                if inverse_cdf_sampling(runner.sampler, runner.input_batch.logitsprocs):
+                    sparse_penalties(runner.sampler)
+            return engine, torch.get_num_threads()
+
+        # Built on a thread that ends, so that the only OpenMP pool left is the stepping thread's
+        # (on_passing_thread says why). OpenMP's thread count is per thread, and a new thread starts at the
+        # count OMP_NUM_THREADS had when the runtime loaded, which in a process that imported torch before
+        # configure_process_env is not this engine's: the build runs at the caller's count, and the stepping
+        # thread takes the count the engine was built and warmed up with.
+        self.engine, self._omp_threads = on_passing_thread(build, torch.get_num_threads())
         self.step_threads = step_threads
         if step_threads is not None:
             wrap_forward(self.engine, step_threads)
-        # OpenMP's thread count is per thread, and a new thread starts at the count OMP_NUM_THREADS had when
-        # the runtime loaded, which in a process that imported torch before configure_process_env is not this
-        # engine's: the stepping thread takes the count the engine was built and warmed up with
-        import torch
-
-        self._omp_threads = torch.get_num_threads()
         self.processor = find_logits_processor(self.engine, EntropicLogitsProcessor) if telemetry else None
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len

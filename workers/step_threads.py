@@ -30,13 +30,46 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from workers.cpu_cores import default_lock_dir, try_lock
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def on_passing_thread(work: Callable[[], T], threads: int, name: str = "engine-build") -> T:
+    """``work()`` run at ``threads`` OpenMP threads on a thread of its own, which ends when it returns.
+
+    Why: libgomp keeps a pool of worker threads for each thread that has started a parallel region, for as
+    long as that thread lives, and while its pools together hold more threads than the process has CPUs, a
+    worker spins ~100 times instead of ~300000 (GOMP_SPINCOUNT's default) before it sleeps on a futex after a
+    region. An engine loaded, compiled and warmed up at N threads on the caller's thread and then stepped on a
+    thread of its own leaves the caller's pool idle but counted: every one of a decode step's hundreds of
+    parallel regions then sleeps and wakes each worker, where vLLM's engine process, which builds and steps
+    on one thread, has one pool that spins. Building on a thread that ends frees its pool with it
+    (docs/results/: the engine-build-thread rows). A new thread starts at the OpenMP thread count the runtime
+    loaded with, hence ``threads``."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            set_torch_threads(threads)
+            box["value"] = work()
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)  # daemon: an interrupted start can still exit
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def set_torch_threads(count: int) -> None:
