@@ -6,10 +6,10 @@ step that prefills hundreds of tokens is compute-bound matmuls, which another co
 while it runs the serving path has little to do: its tokens stream only when it ends. So the forward pass
 of a step that schedules at least ``min_tokens`` tokens also runs threads on the borrowed cores.
 
-A decode step gains from a second core too, on a bare engine, once it attends over tens of thousands of
-cached tokens; served, it did not, and was sometimes slower. Likely (not measured directly): a stream of
-decode steps keeps the serving path relaying tokens on the lent core, and every parallel region of the
-step waits for the OpenMP thread that shares it. So borrowing by context (``min_context``: a step whose
+A decode step gains from a second core too, on a bare engine; served, it did not, and was sometimes slower
+(measured again once the engine's build stopped leaving a second OpenMP pool: ``on_passing_thread``).
+Likely (not measured directly): a stream of decode steps keeps the serving path relaying tokens on the
+lent core, and every parallel region of the step waits for the OpenMP thread that shares it. So borrowing by context (``min_context``: a step whose
 sequences hold at least that many tokens in all) is off unless configured; what it changed served is in
 docs/results/ (the serve rows). Every other step runs on the engine's own cores.
 
