@@ -172,3 +172,61 @@ def test_an_engine_built_on_a_passing_thread_leaves_its_stepping_thread_the_only
     assert passing["workers"] == caller["workers"] == workers
     assert passing["sleeps_per_region"] < 0.1, passing  # spinning between regions, as one pool does
     assert caller["sleeps_per_region"] > 0.5, caller  # what the passing thread avoids: a futex round trip each
+
+
+PIN_CHILD = textwrap.dedent("""
+    import json, os, sys, threading
+    from pathlib import Path
+
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["ENTROPIC_NODE_CORES"] = ",".join(map(str, cores))
+    os.sched_setaffinity(0, {cores[0]})  # an engine process starts on the replica's cores: the serving path's
+    if sys.argv[1] == "torch-first":
+        import torch  # what an import of torch before the engine process pins would do
+    from workers.config import ReplicaConfig
+    from workers.process import _pin
+
+    claim, steps = _pin(ReplicaConfig.model_validate({"engine": {"cpu_threads": 1}}))
+    import torch
+
+    def sleeps(tid):
+        status = Path(f"/proc/self/task/{tid}/status").read_text()
+        return int(status.split("\\nvoluntary_ctxt_switches:")[1].split()[0])
+
+    out = {"own": list(claim.cores), "borrowed": list(steps.borrowed)}
+
+    def engine():
+        before = set(os.listdir("/proc/self/task"))
+        steps.start()
+        workers = set(os.listdir("/proc/self/task")) - before - {str(threading.get_native_id())}
+        out["taken"] = steps.borrow(4096)
+        x = torch.ones(1 << 17)
+        start = {t: sleeps(t) for t in workers}
+        for _ in range(400):
+            x.add_(1.0)
+        steps.give_back()
+        out["sleeps_per_region"] = sum(sleeps(t) - start[t] for t in workers) / 400 / max(1, len(workers))
+
+    thread = threading.Thread(target=engine)
+    thread.start(); thread.join()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="borrowing needs a core beyond the engine's own")
+def test_the_engine_process_loads_openmp_with_the_cores_a_borrowing_step_runs_on(tmp_path: Path) -> None:
+    """libgomp counts its CPUs from the affinity it loads with; an engine process that loaded it pinned to its own
+    core throttled the borrowing step's worker, which then slept after every region. ``_pin`` (the engine process's
+    start) loads torch with the own and the borrowed cores, and nothing the process imports before loads it
+    earlier. Runs here: 0.0 sleeps a region, and 0.9975-1.005 with torch imported first (four runs each)."""
+    def run(mode: str) -> dict:
+        result = subprocess.run([sys.executable, "-c", PIN_CHILD, mode], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    pinned, torch_first = run("pinned"), run("torch-first")
+    cores = sorted(os.sched_getaffinity(0))
+    assert pinned["own"] == [cores[-1]] and pinned["borrowed"] == [cores[0]] and pinned["taken"] == 1
+    assert pinned["sleeps_per_region"] < 0.1, pinned
+    assert torch_first["sleeps_per_region"] > 0.5, torch_first  # the failure this guards against

@@ -288,24 +288,30 @@ def _pin(config: ReplicaConfig) -> tuple[CoreClaim | None, StepThreads | None]:
     # path's cores, which the replica's own start-up keeps busy meanwhile (CoreProcess's while_starting).
     node = node_cores()  # before pinning narrows this process's own affinity
     claim = pin_engine_process(engine.threads())
-    configure_process_env(engine.threads(), engine.kv_cache_space_gib)  # before torch is imported
+    own = () if claim is None else claim.cores
+    borrowed = borrowable_cores(node, own, RESERVED_CORES) if own and engine.borrow_serving_cores else ()
+    if borrowed:
+        # libgomp counts the CPUs it may use once, from the affinity it loads with (with torch), and while its
+        # threads outnumber them it throttles their spin-wait: a borrowing step's worker then slept and woke after
+        # each of the step's parallel regions (on_passing_thread in workers/step_threads.py says more).
+        pin_this_process((*own, *borrowed))
+    configure_process_env(engine.threads(), engine.kv_cache_space_gib)  # before torch is imported; it imports it
     import torch
 
+    if borrowed:
+        pin_this_process(own)
     if torch.cuda.is_available():  # a GPU engine's few host threads float
         if claim is not None:
             claim.release()
         pin_this_process(tuple(sorted(node)))
         logger.info("engine process %d drives a GPU: floats over cores %s", os.getpid(), sorted(node))
         return None, None
-    if claim is None or not engine.borrow_serving_cores:
-        return claim, None
-    borrowed = borrowable_cores(node, claim.cores, RESERVED_CORES)
     if not borrowed:
         return claim, None
     by_context = "" if engine.borrow_min_context is None else f" or {engine.borrow_min_context} of context"
     logger.info("engine process %d borrows cores %s for steps of at least %d tokens%s", os.getpid(), list(borrowed),
                 engine.borrow_min_tokens, by_context)
-    return claim, StepThreads(claim.cores, borrowed, engine.borrow_min_tokens, engine.borrow_min_context)
+    return claim, StepThreads(own, borrowed, engine.borrow_min_tokens, engine.borrow_min_context)
 
 
 class _Child(_PipeEnd):

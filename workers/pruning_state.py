@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from controller.laws.pruning import PruningLaw, blocks_to_keep, next_keep_fraction
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -33,7 +34,7 @@ class RequestPruning:
     kept_log: list[tuple[int, int]] = field(default_factory=list)  # (kept, total) per decode step, drained
     # block_surprisal and known_tokens as float64 rows [2, capacity], current for the blocks before _synced: the
     # planner asks for every row's log S_b in every step, and a step adds surprisal to the last block only
-    _sums: torch.Tensor = field(default_factory=lambda: torch.zeros(2, 0, dtype=torch.float64), repr=False)
+    _sums: torch.Tensor | None = field(default=None, repr=False)
     _synced: int = 0
 
     @classmethod
@@ -63,21 +64,27 @@ class RequestPruning:
     def log_info(self, num_blocks: int, block_size: int) -> torch.Tensor | None:
         """log S_b [num_blocks] float64 for the first num_blocks blocks; unknown tokens count at the request's mean
         surprisal."""
+        # torch imported here, not with the module: the engine process imports this module before it pins its
+        # cores, and torch's OpenMP runtime counts the CPUs it may use when it loads (workers/process.py, _pin)
+        import torch
+
         if not self.surprisal_count or self.info_weight == 0.0:
             return None
         have = len(self.block_surprisal)
-        if self._sums.shape[1] < max(have, num_blocks):
-            grown = torch.zeros(2, max(have, num_blocks, 2 * self._sums.shape[1]), dtype=torch.float64)
-            grown[:, : self._synced] = self._sums[:, : self._synced]
-            self._sums = grown
+        sums = self._sums
+        if sums is None or sums.shape[1] < max(have, num_blocks):
+            capacity = 0 if sums is None else sums.shape[1]
+            grown = torch.zeros(2, max(have, num_blocks, 2 * capacity), dtype=torch.float64)
+            if sums is not None:
+                grown[:, : self._synced] = sums[:, : self._synced]
+            sums = self._sums = grown
         if self._synced < have:
             lo = self._synced
-            self._sums[:, lo:have] = torch.tensor([self.block_surprisal[lo:], self.known_tokens[lo:]],
-                                                  dtype=torch.float64)
+            sums[:, lo:have] = torch.tensor([self.block_surprisal[lo:], self.known_tokens[lo:]], dtype=torch.float64)
             self._synced = have
         mean = self.surprisal_total / self.surprisal_count
         # total + (block_size - known) * mean
-        total = torch.add(self._sums[0, :num_blocks], self._sums[1, :num_blocks], alpha=-mean)
+        total = torch.add(sums[0, :num_blocks], sums[1, :num_blocks], alpha=-mean)
         return total.add_(block_size * mean).clamp_(min=1e-6).log_()
 
 

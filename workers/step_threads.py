@@ -9,9 +9,10 @@ of a step that schedules at least ``min_tokens`` tokens also runs threads on the
 A decode step gains from a second core too, on a bare engine; served, it did not, and was sometimes slower
 (measured again once the engine's build stopped leaving a second OpenMP pool: ``on_passing_thread``).
 Likely (not measured directly): a stream of decode steps keeps the serving path relaying tokens on the
-lent core, and every parallel region of the step waits for the OpenMP thread that shares it. So borrowing by context (``min_context``: a step whose
-sequences hold at least that many tokens in all) is off unless configured; what it changed served is in
-docs/results/ (the serve rows). Every other step runs on the engine's own cores.
+lent core, and every parallel region of the step waits for the OpenMP thread that shares it. So
+borrowing by context (``min_context``: a step whose sequences hold at least that many tokens in all) is off
+unless configured; what it changed served is in docs/results/ (the serve rows). Every other step runs on
+the engine's own cores.
 
 A core is lent to one engine at a time: a step borrows only the cores whose lock it takes at once
 (``flock``, never waiting), so engines sharing a node never stack their threads on one core; a step that
