@@ -55,7 +55,7 @@ def on_passing_thread(work: Callable[[], T], threads: int, name: str = "engine-b
     thread of its own leaves the caller's pool idle but counted: every one of a decode step's hundreds of
     parallel regions then sleeps and wakes each worker, where vLLM's engine process, which builds and steps
     on one thread, has one pool that spins. Building on a thread that ends frees its pool with it
-    (docs/results/: the engine-build-thread rows). A new thread starts at the OpenMP thread count the runtime
+    (docs/results/: the passing-build rows). A new thread starts at the OpenMP thread count the runtime
     loaded with, hence ``threads``."""
     box: dict[str, Any] = {}
 
