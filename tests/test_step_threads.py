@@ -114,20 +114,34 @@ def test_a_step_counts_the_context_its_sequences_attend_over() -> None:
     assert context_tokens(SchedulerOutput.make_empty()) == 0
 
 
-POOLS_CHILD = textwrap.dedent("""
-    import json, os, sys, threading, torch
+# Child code both OpenMP-pool tests share: the sleeps of a pool's workers over many short parallel regions, as a
+# decode step's (a worker that spins between regions sleeps ~never; a throttled one ~once a region).
+REGION_SLEEPS = textwrap.dedent("""
     from pathlib import Path
-    from workers.step_threads import on_passing_thread, set_torch_threads
-
-    n = len(os.sched_getaffinity(0))
-    REGIONS = 400
-
-    def tasks():
-        return set(os.listdir("/proc/self/task"))
 
     def sleeps(tid):
         status = Path(f"/proc/self/task/{tid}/status").read_text()
         return int(status.split("\\nvoluntary_ctxt_switches:")[1].split()[0])
+
+    def sleeps_per_region(workers, regions=400):
+        import torch
+
+        x = torch.ones(1 << 17)  # above at::parallel_for's grain: a region on every op
+        start = {t: sleeps(t) for t in workers}
+        for _ in range(regions):
+            x.add_(1.0)
+        return sum(sleeps(t) - start[t] for t in workers) / regions / max(1, len(workers))
+""")
+
+
+POOLS_CHILD = REGION_SLEEPS + textwrap.dedent("""
+    import json, os, sys, threading, torch
+    from workers.step_threads import on_passing_thread, set_torch_threads
+
+    n = len(os.sched_getaffinity(0))
+
+    def tasks():
+        return set(os.listdir("/proc/self/task"))
 
     def build():  # what an engine's load and warm-up leave behind: parallel regions at n threads
         torch.ones(1 << 22).sum()
@@ -142,13 +156,10 @@ POOLS_CHILD = textwrap.dedent("""
     def step():  # the stepping thread: its own pool, then many short regions, as a decode step's
         before = tasks()
         set_torch_threads(n)
-        x = torch.ones(1 << 17)  # above at::parallel_for's grain: a region on every op
+        torch.ones(1 << 17)  # the pool
         workers = tasks() - before
-        start = {t: sleeps(t) for t in workers}
-        for _ in range(REGIONS):
-            x.add_(1.0)
         out["workers"] = len(workers)
-        out["sleeps_per_region"] = sum(sleeps(t) - start[t] for t in workers) / REGIONS / max(1, len(workers))
+        out["sleeps_per_region"] = sleeps_per_region(workers)
 
     thread = threading.Thread(target=step)
     thread.start(); thread.join()
@@ -174,9 +185,8 @@ def test_an_engine_built_on_a_passing_thread_leaves_its_stepping_thread_the_only
     assert caller["sleeps_per_region"] > 0.5, caller  # what the passing thread avoids: a futex round trip each
 
 
-PIN_CHILD = textwrap.dedent("""
+PIN_CHILD = REGION_SLEEPS + textwrap.dedent("""
     import json, os, sys, threading
-    from pathlib import Path
 
     cores = sorted(os.sched_getaffinity(0))
     os.environ["ENTROPIC_NODE_CORES"] = ",".join(map(str, cores))
@@ -187,11 +197,6 @@ PIN_CHILD = textwrap.dedent("""
     from workers.process import _pin
 
     claim, steps = _pin(ReplicaConfig.model_validate({"engine": {"cpu_threads": 1}}))
-    import torch
-
-    def sleeps(tid):
-        status = Path(f"/proc/self/task/{tid}/status").read_text()
-        return int(status.split("\\nvoluntary_ctxt_switches:")[1].split()[0])
 
     out = {"own": list(claim.cores), "borrowed": list(steps.borrowed)}
 
@@ -200,12 +205,8 @@ PIN_CHILD = textwrap.dedent("""
         steps.start()
         workers = set(os.listdir("/proc/self/task")) - before - {str(threading.get_native_id())}
         out["taken"] = steps.borrow(4096)
-        x = torch.ones(1 << 17)
-        start = {t: sleeps(t) for t in workers}
-        for _ in range(400):
-            x.add_(1.0)
+        out["sleeps_per_region"] = sleeps_per_region(workers)
         steps.give_back()
-        out["sleeps_per_region"] = sum(sleeps(t) - start[t] for t in workers) / 400 / max(1, len(workers))
 
     thread = threading.Thread(target=engine)
     thread.start(); thread.join()

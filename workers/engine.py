@@ -192,11 +192,8 @@ class EngineRunner:
                     sparse_penalties(runner.sampler)
             return engine, torch.get_num_threads()
 
-        # Built on a thread that ends, so that the only OpenMP pool left is the stepping thread's
-        # (on_passing_thread says why). OpenMP's thread count is per thread, and a new thread starts at the
-        # count OMP_NUM_THREADS had when the runtime loaded, which in a process that imported torch before
-        # configure_process_env is not this engine's: the build runs at the caller's count, and the stepping
-        # thread takes the count the engine was built and warmed up with.
+        # Built on a thread that ends, so that the only OpenMP pool left is the stepping thread's (on_passing_thread
+        # says why), at the caller's thread count; the stepping thread takes the count the build ended with.
         self.engine, self._omp_threads = on_passing_thread(build, torch.get_num_threads())
         self.step_threads = step_threads
         if step_threads is not None:
