@@ -7,8 +7,8 @@ while it runs the serving path has little to do: its tokens stream only when it 
 of a step that schedules at least ``min_tokens`` tokens also runs threads on the borrowed cores.
 
 A decode step gains from a second core too, on a bare engine; served, it did not, and was sometimes slower
-(every such served run had the borrowing worker sleeping after each region: ``on_passing_thread`` and
-workers/process.py's ``_pin`` say why, and what changed that).
+(the earlier served runs with the borrowing worker sleeping after each region, ``on_passing_thread`` and
+workers/process.py's ``_pin`` say why; a later one without that gained nothing that held over its rounds).
 Likely (not measured directly): a stream of decode steps keeps the serving path relaying tokens on the
 lent core, and every parallel region of the step waits for the OpenMP thread that shares it. So
 borrowing by context (``min_context``: a step whose sequences hold at least that many tokens in all) is off
