@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
+from collections.abc import Mapping
+
+THP_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def cpu_generation(cpuinfo: str) -> str:
@@ -18,6 +22,17 @@ def cpu_generation(cpuinfo: str) -> str:
     if "cpu family" not in fields or "model" not in fields:
         return ""
     return f"family {fields['cpu family']} model {fields['model']}"
+
+
+def memory_pages(thp_enabled: str, environ: Mapping[str, str]) -> str:
+    """Whether this process's large allocations can sit on huge pages: the kernel's transparent-huge-page mode
+    (the bracketed word of ``THP_SYSFS``) and torch's ``THP_MEM_ALLOC_ENABLE``, with which torch asks for them
+    where the mode is ``madvise``. Attention over a paged KV cache reads scattered blocks, so the two move its
+    speed on some CPUs (docs/results/, the huge-pages rows); a result that does not say them cannot be rerun
+    as it ran."""
+    mode = re.search(r"\[(\w+)\]", thp_enabled)
+    return (f"transparent huge pages {mode.group(1) if mode else 'not recorded'}, "
+            f"THP_MEM_ALLOC_ENABLE {environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
 
 
 def describe() -> dict[str, str | int]:
@@ -37,6 +52,11 @@ def describe() -> dict[str, str | int]:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         mem_gib = 0
+    try:
+        with open(THP_SYSFS) as f:
+            thp_enabled = f.read()
+    except OSError:
+        thp_enabled = ""
     import torch
     import vllm
 
@@ -47,7 +67,7 @@ def describe() -> dict[str, str | int]:
     dtype = resolve_dtype("auto", False)
     return {"cpu": cpu, "cpu_generation": generation or "not recorded", "cpu_flags": " ".join(isa) or "none",
             "cpu_dtype_auto": "the model's dtype (this CPU has native bf16)" if dtype == "auto" else dtype,
-            "cores": os.cpu_count() or 0, "memory_gib": mem_gib,
+            "cores": os.cpu_count() or 0, "memory_gib": mem_gib, "memory_pages": memory_pages(thp_enabled, os.environ),
             "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
 
@@ -82,7 +102,8 @@ def header(result: dict, title: str, engine: str) -> list[str]:
 
 
 def cpu_text(machine: dict) -> str:
-    """The CPU as a result file names it: model, family and model numbers, and the flags that chose dtype and
-    kernels."""
+    """The CPU as a result file names it: model, family and model numbers, the flags that chose dtype and
+    kernels, and (where recorded) the memory pages its allocations could use."""
     generation = machine.get("cpu_generation", "not recorded")
-    return f"{machine['cpu']}, {generation} (CPU flags: {machine.get('cpu_flags', 'not recorded')})"
+    pages = f"; {machine['memory_pages']}" if "memory_pages" in machine else ""
+    return f"{machine['cpu']}, {generation} (CPU flags: {machine.get('cpu_flags', 'not recorded')}{pages})"
