@@ -57,6 +57,11 @@ anyway):
   Not in the default ``--sets``.
 - ``short-burst``: the same with ``short``'s 256-token prompts: decode outweighs prefill, so the batch size
   (``max_num_seqs``) decides the throughput. Not in the default ``--sets``.
+- ``single``: random tokens, 256 in / 128 out, 16 requests one at a time (concurrency 1): the latency of
+  one user on an idle server, where no batch hides a fixed cost per request or per token (the serving
+  path's hops, a control layer's work per step). Not in the default ``--sets``.
+- ``single-long``: the same at 3900 in, 6 requests: one long prompt's prefill, then decode at batch 1,
+  where a step reads the model's weights and one request's KV cache. Not in the default ``--sets``.
 - ``natural``: ~3900 tokens of English prose (Python's own documentation, ``pydoc_data``, shipped with
   every Python) then an instruction, 128 out, 16 requests at concurrency 8: the pruning law sees the
   entropy of real text instead of random tokens.
@@ -126,13 +131,18 @@ SETS = {
                                "--random-output-len", "128"), 256, None, 5),
     "short-burst": DataSet("short-burst", ("--dataset-name", "random", "--random-input-len", "256",
                                            "--random-output-len", "128"), 256, None, 6),
+    "single": DataSet("single", ("--dataset-name", "random", "--random-input-len", "256",
+                                 "--random-output-len", "128"), 16, 1, 7),
+    "single-long": DataSet("single-long", ("--dataset-name", "random", "--random-input-len", "3900",
+                                           "--random-output-len", "128"), 6, 1, 8),
     "natural": DataSet("natural", ("--dataset-name", "custom", "--custom-output-len", "128",
                                    "--skip-chat-template"), 16, 8, 3),
     "natural-eos": DataSet("natural-eos", ("--dataset-name", "custom", "--custom-output-len", "512"), 16, 8, 4,
                            ignore_eos=False),
 }
 NATURAL_SETS = ("natural", "natural-eos")
-BURST_SETS = ("burst", "short-burst")  # minutes per server and round: run when named
+# run when named: the bursts take minutes per server and round, the single-request sets ask another question
+NAMED_ONLY_SETS = ("burst", "short-burst", "single", "single-long")
 NATURAL_TOKENS = 3900
 KV_CACHE_GIB = 2  # matched pair: both servers' KV cache (ours: engine.kv_cache_space_gib's default)
 NATURAL_INSTRUCTION = "\n\nSummarize the documentation above in one paragraph."
@@ -501,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant-env", action="append", type=parse_variant_env, default=[],
                         metavar="NAME=KEY=VALUE", help="one more environment variable for our server in the "
                         "--variant NAME (repeatable)")
-    parser.add_argument("--sets", nargs="+", default=[s for s in SETS if s not in BURST_SETS], choices=list(SETS))
+    parser.add_argument("--sets", nargs="+", default=[s for s in SETS if s not in NAMED_ONLY_SETS], choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/results/serve")
     parser.add_argument("--vllm-args", default="", help="more arguments for `vllm serve` in every pair, as one "
