@@ -26,7 +26,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 # Libraries that spread their work over the engine's OpenMP threads; the others run on the calling thread
-OPENMP = frozenset({"decode_attention", "block_select", "block_summary"})
+OPENMP = frozenset({"decode_attention", "block_select", "block_summary", "linear_bf16w"})
 
 
 def _compile_flags(name: str, openmp: bool = True) -> list[str]:

@@ -144,6 +144,31 @@ def test_sampled_requests_draw_through_the_kernel_top_p_too_and_seeded_ones_thro
     assert calls == [] and filtered == [] and seeded[0] == seeded[1] and len(seeded[0]) == 12
 
 
+def test_decode_steps_of_a_float32_engine_read_its_bfloat16_checkpoint_as_bfloat16(core, monkeypatch):
+    """workers/decode_weights.py on the shipped engine, where it runs float32 (CPUs without native bf16; the default
+    model's checkpoint is bf16): every linear layer and the tied LM head hold the bfloat16 panels, and the compiled
+    graph runs steps of at most engine.bf16_decode_weights rows on the kernel, larger ones on vLLM's GEMM."""
+    import torch
+
+    from kernels import cpu_linear
+    from workers import engine
+
+    if core.runner.engine.vllm_config.model_config.dtype != torch.float32:
+        pytest.skip("this CPU runs the engine in bf16: its weights are bf16 already")
+    model = engine.model_runner(core.runner.engine).model
+    layers = [m for m in model.modules() if hasattr(m, "weight_bf16_panels")]
+    hf = core.runner.engine.vllm_config.model_config.hf_config
+    assert len(layers) == 4 * hf.num_hidden_layers + 1  # qkv, o, gate_up, down in each layer; the LM head
+    calls: list[int] = []
+    kernel = cpu_linear.linear_bf16w
+    monkeypatch.setattr(cpu_linear, "linear_bf16w", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    deltas, = _run(core, [{**GREEDY, "max_tokens": 8, "ignore_eos": True}])
+    assert sum(len(d.token_ids) for d in deltas) == 8
+    limit = core.config.engine.bf16_decode_weights
+    # the prompt's prefill: its LM head row only; each of the 7 decode steps: every layer, one row
+    assert calls.count(1) == 1 + 7 * len(layers) and max(calls) <= limit
+
+
 def test_reports_follow_engine_steps_not_the_clock(core):
     """A long prefill chunk outlasts many control periods; the replica reports again only once the engine
     has stepped (or its requests changed), plus the once-a-second metrics report."""

@@ -26,6 +26,10 @@ Every touch of a vLLM internal, and where it is:
 - ``workers/engine.py``: ``processed_logprobs_only_when_asked`` wraps the model runner's ``Sampler.sample`` and
   sets its ``topk_topp_sampler.logprobs_mode`` per step from ``SamplingMetadata.max_num_logprobs`` and
   ``logprob_token_ids`` (behaviour: ``tests/test_sampler_logprobs.py``).
+- ``workers/decode_weights.py``: wraps ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, which the
+  CPU linear and embedding methods import when they process loaded weights, sets the layer's ``cpu_linear`` (called
+  as ``(x, weight, bias)``), builds vLLM's oneDNN GEMM (``create_onednn_mm``, ``torch.ops._C.onednn_mm``) for large
+  steps, and reads ``VllmConfig.additional_config``.
 - ``workers/cpu_sampler.py``: ``inverse_cdf_sampling`` replaces the instance's ``TopKTopPSampler.forward`` where
   it is ``forward_cpu``, called as ``(logits, generators, k, p)``, and returns what ``forward_cpu`` returns
   beside the tokens for each ``logprobs_mode``; it reproduces ``apply_top_k_top_p``'s rule, with per-row ``k``
@@ -609,3 +613,32 @@ def test_our_decode_kernel_matches_vllms_cpu_attention(heads, kv_heads, dtype, v
     assert ((ours - expected.float()).abs() <= 2 * step).all()
     # and the comparison can fail: another row's answer is far off
     assert not ((ours.roll(1, dims=0) - expected.float()).abs() <= 2 * step).all()
+
+
+def test_the_cpu_gemm_dispatch_our_decode_weights_wrap(vllm_cpu_ops):
+    """workers/decode_weights.py: vLLM's CPU linear and LM-head methods import the dispatch from its module when
+    they call it (so the plugin's wrapper is the one they get), it takes (layer, remove_weight), and the oneDNN GEMM
+    our op falls back to keeps its handler in a tensor and writes into a given output."""
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    call = "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm"
+    for method in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        assert call in inspect.getsource(method.process_weights_after_loading), method
+    assert "layer.cpu_linear(x, weight, bias)" in inspect.getsource(utils.cpu_unquantized_gemm)
+    assert list(inspect.signature(utils.dispatch_cpu_unquantized_gemm).parameters) == ["layer", "remove_weight"] \
+        or getattr(utils.dispatch_cpu_unquantized_gemm, "_entropic", False)
+    assert issubclass(ParallelLMHead, VocabParallelEmbedding)
+    assert "additional_config" in VllmConfig.__dataclass_fields__
+    weight = torch.randn(24, 16)
+    handler = vllm_cpu_ops.create_onednn_mm(weight.t(), 32)
+    assert handler.handler_tensor.dtype == torch.int64 and (handler.k, handler.n) == (16, 24)
+    x, out = torch.randn(3, 16), torch.empty(3, 24)
+    torch.ops._C.onednn_mm(out, x, None, handler.handler_tensor)
+    torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)

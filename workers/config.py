@@ -16,6 +16,8 @@ from workers.cpu_cores import available_cpus, engine_threads, threads_per_core
 from workers.model_store import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 CPU_PRUNING_BLOCK_SIZE = 64
+# vLLM additional_config key of engine.bf16_decode_weights (workers/decode_weights.py reads it in the engine)
+BF16_DECODE_WEIGHTS_KEY = "entropic_bf16_decode_weights"
 
 # EngineArgs a replica cannot honour: the engine runs in the process of the replica's core (no multiprocess engine
 # core, docs/design/engine-embedding.md), so there is one worker and no parallel group.
@@ -74,6 +76,12 @@ class EngineConfig(BaseModel):
                                 "pass over each block read, on the engine's threads) for a bf16 KV cache where the "
                                 "CPU has AVX512-BF16 (bf16 dot products), a float32 one where it has AVX2 and FMA; "
                                 "False, or elsewhere, and in steps with a prompt chunk: vLLM's CPU attention")
+    bf16_decode_weights: int = Field(
+        6, ge=0, description="CPU only, float32 engine, where every weight of the model is a bfloat16 value (a "
+        "bfloat16 checkpoint widened to float32): linear layers run steps of at most this many rows (decode steps, "
+        "and the LM head's rows in every step) over a bfloat16 copy of their weights (kernels/csrc/linear_bf16w.c: "
+        "half the bytes, float32 arithmetic; workers/decode_weights.py) and larger steps on vLLM's float32 GEMM, "
+        "as before. The copy takes half the float32 weights' memory. 0: vLLM's GEMM in every step")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
         "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "
@@ -123,6 +131,9 @@ class EngineConfig(BaseModel):
             kwargs["block_size"] = CPU_PRUNING_BLOCK_SIZE
         if on_gpu and pruning:
             kwargs["attention_backend"] = "TRITON_ATTN"
+        if not on_gpu and self.bf16_decode_weights and kwargs["dtype"] in ("float32", "float"):
+            # read by the plugin's wrapper of vLLM's CPU GEMM dispatch; vLLM's compile cache is keyed by it too
+            kwargs["additional_config"] = {BF16_DECODE_WEIGHTS_KEY: self.bf16_decode_weights}
         kwargs.update(self.extra)
         return kwargs
 

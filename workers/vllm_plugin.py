@@ -7,6 +7,9 @@ is how a third party replaces it:
   ``CpuPlatform.get_attn_backend_cls`` always answers CPU_ATTN's class path);
 * TRITON_ATTN (GPU): GPU deployments with pruning ask for this backend
   (``deployments.config.EngineConfig.engine_kwargs``); vLLM's other CUDA backends stay as they are.
+
+It also wraps vLLM's CPU GEMM dispatch (``workers.decode_weights``), which changes nothing for an engine whose
+``additional_config`` does not ask for bfloat16 decode weights.
 """
 from __future__ import annotations
 
@@ -19,3 +22,7 @@ def register() -> None:
 
     register_backend(AttentionBackendEnum.CPU_ATTN, PRUNED_CPU_BACKEND)
     register_backend(AttentionBackendEnum.TRITON_ATTN, PRUNED_TRITON_BACKEND)
+
+    from workers.decode_weights import install
+
+    install()
