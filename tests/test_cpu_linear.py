@@ -131,3 +131,6 @@ def test_the_engine_asks_for_bfloat16_decode_weights_where_it_runs_float32_on_cp
     assert extra(dtype="float32") == {BF16_DECODE_WEIGHTS_KEY: EngineConfig().bf16_decode_weights}
     assert extra(dtype="float32", bf16_decode_weights=0) is None
     assert extra(dtype="bfloat16") is None and extra(dtype="float32", on_gpu=True) is None
+    # a user's own additional_config (engine.extra) is kept beside ours
+    assert extra(dtype="float32", extra={"additional_config": {"theirs": 1}}) == {
+        BF16_DECODE_WEIGHTS_KEY: EngineConfig().bf16_decode_weights, "theirs": 1}

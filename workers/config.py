@@ -134,7 +134,10 @@ class EngineConfig(BaseModel):
         if not on_gpu and self.bf16_decode_weights and kwargs["dtype"] in ("float32", "float"):
             # read by the plugin's wrapper of vLLM's CPU GEMM dispatch; vLLM's compile cache is keyed by it too
             kwargs["additional_config"] = {BF16_DECODE_WEIGHTS_KEY: self.bf16_decode_weights}
-        kwargs.update(self.extra)
+        extra = dict(self.extra)
+        if "additional_config" in extra and "additional_config" in kwargs:  # a user's entries beside ours
+            extra["additional_config"] = {**kwargs["additional_config"], **extra["additional_config"]}
+        kwargs.update(extra)
         return kwargs
 
 

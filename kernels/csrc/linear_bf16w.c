@@ -37,7 +37,7 @@ void entropic_pack_bf16w(const uint16_t *w, int64_t N, int64_t K, uint16_t *pack
 }
 
 #ifdef __AVX2__
-#define PREFETCH_AHEAD 32  // k steps (1 KiB of a panel) ahead: the hardware prefetcher alone left bandwidth unused
+#define PREFETCH_AHEAD 32  // k steps (1 KiB) ahead along the panel, beside the hardware prefetcher
 
 // One pass of R rows (a constant in each instance, so the accumulators stay in registers) over a panel.
 #define PANEL_ROWS(R)                                                                                           \
