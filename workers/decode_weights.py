@@ -91,9 +91,9 @@ def install() -> None:
     whose ``additional_config`` does not ask)."""
     from vllm.model_executor.layers import utils
 
-    vllm_dispatch = utils.dispatch_cpu_unquantized_gemm
-    if getattr(vllm_dispatch, "_entropic", False):
-        return
+    vllm_dispatch = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if vllm_dispatch is None or getattr(vllm_dispatch, "_entropic", False):
+        return  # a vLLM without CPU GEMM dispatch (tests/test_vllm_pins.py pins the one we wrap), or installed
 
     def wrapped(layer: torch.nn.Module, remove_weight: bool) -> None:
         dispatch(layer, remove_weight, vllm_dispatch)
