@@ -2,6 +2,9 @@
 kernel for steps of few rows, vLLM's oneDNN GEMM for the rest, vLLM's dispatch wherever the engine did not ask."""
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
@@ -86,8 +89,12 @@ def _layer(k: int, n: int, bf16_values: bool, rows: int | None, dtype=torch.floa
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
     weight = weight.to(torch.bfloat16).float() if bf16_values else weight
     layer = _Linear(weight.to(dtype))
-    with set_current_vllm_config(VllmConfig(additional_config={BF16_DECODE_WEIGHTS_KEY: rows} if rows else {})):
-        layer.quant_method.process_weights_after_loading(layer)
+    # a VllmConfig on CPU sets process-wide variables (LD_PRELOAD of torch's libgomp among them) that later tests'
+    # child processes would inherit: kept to this call
+    with mock.patch.dict(os.environ):
+        config = VllmConfig(additional_config={BF16_DECODE_WEIGHTS_KEY: rows} if rows else {})
+        with set_current_vllm_config(config):
+            layer.quant_method.process_weights_after_loading(layer)
     return layer, weight
 
 
