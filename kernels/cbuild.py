@@ -27,15 +27,44 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 # Libraries that spread their work over the engine's OpenMP threads; the others run on the calling thread
 OPENMP = frozenset({"decode_attention", "block_select", "block_summary", "linear_bf16w"})
+# Libraries written for AVX-512 where the CPU has it (the others are AVX2 code, and a compiler free to widen them
+# would change their measured speed, not their results)
+AVX512 = frozenset({"linear_bf16w"})
 
 
-def _compile_flags(name: str, openmp: bool = True) -> list[str]:
-    flags = ["-O3", "-shared", "-fPIC", "-std=c11"]
-    if {"avx2", "fma"} <= cpu_flags():  # built where it runs (make install / first use), so the host's ISA is safe
+def isa_flags(name: str) -> list[str]:
+    """The instruction sets a library is built for: the host's (it is built where it runs, by make install or its
+    first use)."""
+    flags = []
+    if {"avx2", "fma"} <= cpu_flags():
         flags += ["-mavx2", "-mfma"]
+        if name in AVX512 and "avx512f" in cpu_flags():
+            flags.append("-mavx512f")
+    return flags
+
+
+def _compile_flags(name: str, openmp: bool = True, isa: list[str] | None = None) -> list[str]:
+    flags = ["-O3", "-shared", "-fPIC", "-std=c11", *(isa_flags(name) if isa is None else isa)]
     if openmp and name in OPENMP:
         flags.append("-fopenmp")
     return flags
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) found")
+    return compiler
+
+
+def build_for(name: str, isa: list[str], directory: Path) -> Path:
+    """kernels/csrc/<name>.c built for the instruction sets ``isa`` (a subset of ``isa_flags``) into
+    ``directory``: the tests run each code path a library has that the host can execute, not only the one it
+    serves with."""
+    out = directory / f"{name}-{'_'.join(f.lstrip('-m') for f in isa) or 'scalar'}.so"
+    subprocess.run([_compiler(), str(CSRC / f"{name}.c"), "-o", str(out), "-lm", *_compile_flags(name, isa=isa)],
+                   check=True, capture_output=True, text=True)
+    return out
 
 
 def library_path(name: str) -> Path:
@@ -51,9 +80,7 @@ def build(name: str) -> Path:
     path = library_path(name)
     if path.exists():
         return path
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) found")
+    compiler = _compiler()
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name

@@ -8,9 +8,22 @@ from unittest import mock
 import pytest
 import torch
 
-from kernels import cpu_linear
+from kernels import cbuild, cpu_linear
+from kernels.hardware import cpu_flags
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="the kernel needs AVX2 and FMA and a C compiler")
+
+# every code path of the C source this CPU can run, not only the one it serves with (the host's build)
+ISAS = {"scalar": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f"]}
+BUILDS = ["host", "scalar", "avx2"] + (["avx512"] if "avx512f" in cpu_flags() else [])
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("linear_bf16w")
+    libs = {name: cpu_linear.load(str(cbuild.build_for("linear_bf16w", isa, directory)))
+            for name, isa in ISAS.items() if name in BUILDS}
+    return {"host": None, **libs}
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -19,16 +32,19 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 @pytest.mark.parametrize("rows,n,k,with_bias", [
     (1, 960, 576, False), (8, 3072, 576, True), (5, 576, 1536, False),  # the default model's shapes
-    (16, 960, 576, False),  # rows in passes of 6, 5 and 5
-    (3, 7, 13, True), (7, 33, 8, False), (13, 6, 1, True),  # columns past a panel of 16, rows past a pass
+    (16, 960, 576, False), (25, 576, 576, True),  # rows in several passes (of at most 6 with AVX2, 12 with AVX-512)
+    (3, 7, 13, True), (7, 33, 8, False), (13, 6, 1, True),  # columns past a panel (16 or 32), rows past a pass
+    (12, 100, 40, False),
 ])
-def test_the_kernel_computes_the_float32_product_of_the_bfloat16_weights(rows, n, k, with_bias):
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_kernel_computes_the_float32_product_of_the_bfloat16_weights(builds, build, rows, n, k, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
     out = torch.full((rows, n), float("nan"))
-    assert cpu_linear.linear_bf16w(x, cpu_linear.pack(weight), n, bias, out)
+    lib = builds[build]
+    assert cpu_linear.linear_bf16w(x, cpu_linear.pack(weight, lib), n, bias, out, lib)
     # float32 sums of k products: a rounding error of about sqrt(k) ulps of the terms, far below 1e-4 here
     torch.testing.assert_close(out.double(), _reference(x, weight, bias), rtol=1e-5, atol=1e-4)
 
@@ -46,11 +62,13 @@ def test_rows_apart_in_memory_are_read_and_written_at_their_stride():
 
 def test_the_kernel_declines_what_it_does_not_compute():
     x, out, packed = torch.randn(2, 8), torch.empty(2, 4), cpu_linear.pack(torch.randn(4, 8))
-    assert packed.shape == (1, 8, cpu_linear.PANEL) and cpu_linear.linear_bf16w(x, packed, 4, None, out)
+    width = packed.shape[2]
+    assert packed.shape == (1, 8, width) and width in (16, 32) and cpu_linear.linear_bf16w(x, packed, 4, None, out)
     assert not cpu_linear.linear_bf16w(x.double(), packed, 4, None, out)
     assert not cpu_linear.linear_bf16w(x, packed.float(), 4, None, out)  # panels of float32
     assert not cpu_linear.linear_bf16w(torch.randn(2, 9), packed, 4, None, out)  # K differs
-    assert not cpu_linear.linear_bf16w(x, packed, 17, None, torch.empty(2, 17))  # 17 columns need two panels
+    wider = torch.empty(2, width + 1)  # needs two panels
+    assert not cpu_linear.linear_bf16w(x, packed, width + 1, None, wider)
     assert not cpu_linear.linear_bf16w(x, packed, 4, torch.randn(4).double(), out)
 
 
@@ -77,7 +95,7 @@ class _Linear(torch.nn.Module):
         return self.quant_method.apply(self, x)
 
 
-def _layer(k: int, n: int, bf16_values: bool, rows: int | None, dtype=torch.float32):
+def _layer(k: int, n: int, bf16_values: bool, rows: int | str | None, dtype=torch.float32):
     """A linear layer with loaded weights after vLLM's CPU weight processing, in an engine configuration that asks
     for bfloat16 decode weights up to ``rows`` rows (None: that does not ask)."""
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -100,9 +118,12 @@ def _layer(k: int, n: int, bf16_values: bool, rows: int | None, dtype=torch.floa
 
 def test_a_layer_of_bfloat16_values_runs_few_rows_on_the_kernel_and_many_on_onednn(vllm_cpu_ops, monkeypatch):
     layer, weight = _layer(576, 960, bf16_values=True, rows=6)
-    panels = layer.weight_bf16_panels  # [60, 576, 16]: panel p, input k, column 16 p + j
-    assert panels.dtype == torch.bfloat16 and panels.shape == (60, 576, cpu_linear.PANEL)
-    assert torch.equal(panels.permute(0, 2, 1).reshape(960, 576).float(), weight)
+    # [960 / W, 576, W] for the panel width W: panel p, input k, position 2 j + h holding column W p + h W / 2 + j
+    panels = layer.weight_bf16_panels
+    width = panels.shape[2]
+    assert panels.dtype == torch.bfloat16 and panels.shape == (960 // width, 576, width)
+    columns = panels.reshape(960 // width, 576, width // 2, 2).permute(0, 3, 2, 1).reshape(960, 576)
+    assert torch.equal(columns.float(), weight)
     assert layer.weight.numel() == 0  # as vLLM's own oneDNN path leaves it: its packed copy holds the floats
     calls = []
     kernel = cpu_linear.linear_bf16w
@@ -118,6 +139,19 @@ def test_a_layer_of_bfloat16_values_runs_few_rows_on_the_kernel_and_many_on_oned
         x = torch.randn(rows, 576)
         torch.testing.assert_close(compiled(x).double(), _reference(x, weight, None), rtol=1e-4, atol=1e-3)
     assert calls[2:] == [4]
+
+
+def test_auto_runs_on_the_kernel_the_rows_it_outruns_vllms_gemm_at(vllm_cpu_ops, monkeypatch):
+    layer, weight = _layer(64, 48, bf16_values=True, rows="auto")
+    limit = cpu_linear.rows()
+    assert limit >= 8  # a decode batch of 8 (the long benchmark's) on either build
+    calls = []
+    kernel = cpu_linear.linear_bf16w
+    monkeypatch.setattr(cpu_linear, "linear_bf16w", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    for rows in (limit, limit + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x).double(), _reference(x, weight, None), rtol=1e-4, atol=1e-3)
+    assert calls == [limit]
 
 
 def test_vllms_dispatch_keeps_every_layer_the_engine_did_not_ask_for_or_cannot_store_in_bfloat16(vllm_cpu_ops):

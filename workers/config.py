@@ -76,12 +76,13 @@ class EngineConfig(BaseModel):
                                 "pass over each block read, on the engine's threads) for a bf16 KV cache where the "
                                 "CPU has AVX512-BF16 (bf16 dot products), a float32 one where it has AVX2 and FMA; "
                                 "False, or elsewhere, and in steps with a prompt chunk: vLLM's CPU attention")
-    bf16_decode_weights: int = Field(
-        6, ge=0, description="CPU only, float32 engine, where every weight of the model is a bfloat16 value (a "
+    bf16_decode_weights: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
+        "auto", description="CPU only, float32 engine, where every weight of the model is a bfloat16 value (a "
         "bfloat16 checkpoint widened to float32): linear layers run steps of at most this many rows (decode steps, "
         "and the LM head's rows in every step) over a bfloat16 copy of their weights (kernels/csrc/linear_bf16w.c: "
         "half the bytes, float32 arithmetic; workers/decode_weights.py) and larger steps on vLLM's float32 GEMM, "
-        "as before. The copy takes half the float32 weights' memory. 0: vLLM's GEMM in every step")
+        "as before. auto: the rows up to which the kernel built for this CPU (AVX-512 or AVX2) outruns vLLM's GEMM "
+        "(kernels.cpu_linear.rows). The copy takes half the float32 weights' memory. 0: vLLM's GEMM in every step")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs", description="which distribution returned logprobs (and the surprisal KV pruning "
         "scores blocks by) are of: processed_logprobs, the one each token was sampled from, after the temperature "

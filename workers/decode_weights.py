@@ -23,12 +23,18 @@ from kernels import cpu_linear
 logger = logging.getLogger(__name__)
 
 
-@torch.library.custom_op("entropic::linear_bf16_weights", mutates_args=())
+# A CPU kernel of a torch.library.Library, as vLLM registers its own ops, rather than torch.library.custom_op,
+# whose Python layers around each call cost more than a batch-1 step's kernel for a small layer
+_LIBRARY = torch.library.Library("entropic", "FRAGMENT")
+_LIBRARY.define("linear_bf16_weights(Tensor x, Tensor packed, Tensor? bias, Tensor handler, int n, int max_rows)"
+                " -> Tensor")
+
+
 def linear_bf16_weights(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, handler: torch.Tensor,
                         n: int, max_rows: int) -> torch.Tensor:
     """x [..., K] float32 @ weight [n, K].T + bias: on the kernel, from the weight's bfloat16 panels ``packed``
     (kernels.cpu_linear.pack), for at most ``max_rows`` rows; else on vLLM's oneDNN GEMM through ``handler`` (its
-    packed float32 copy)."""
+    packed float32 copy). ``torch.ops.entropic.linear_bf16_weights``."""
     rows = x.reshape(-1, packed.shape[1])
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
     if rows.shape[0] <= max_rows and cpu_linear.linear_bf16w(rows, packed, n, bias, out.view(-1, n)):
@@ -37,20 +43,26 @@ def linear_bf16_weights(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     return out
 
 
-@linear_bf16_weights.register_fake
+_LIBRARY.impl("linear_bf16_weights", linear_bf16_weights, "CPU")
+
+
+@torch.library.register_fake("entropic::linear_bf16_weights")
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, handler: torch.Tensor, n: int,
       max_rows: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
 
 
 def _max_rows() -> int | None:
-    """The engine's setting (rows a step may have to run on the kernel), None where it did not ask."""
+    """The engine's setting (rows a step may have to run on the kernel; ``auto``: the host build's own), None
+    where it did not ask."""
     from vllm.config import get_current_vllm_config
 
     from workers.config import BF16_DECODE_WEIGHTS_KEY  # here: the plugin imports this module in every vLLM process
 
     extra = get_current_vllm_config().additional_config
     value = extra.get(BF16_DECODE_WEIGHTS_KEY) if isinstance(extra, dict) else None
+    if value == "auto":
+        value = cpu_linear.rows()
     return int(value) if value else None
 
 
