@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(TARGET)-$(shell cat pyproject.toml Makefile | sha2
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 ARGS ?=
 
-.PHONY: install serve test test-unit model bench bench-scheduling bench-routing bench-dispatch bench-remaining bench-pruning bench-embedding bench-core bench-serve bench-prefill bench-cpu-kernels profile-serve profile-pruning bench-selectors bench-samplers bench-epic fit-epic-alpha ablation ablation-estimators calibration-stress soak prometheus dashboards alerts gpu-check gpu-check-vendor
+.PHONY: install serve test test-unit model bench bench-scheduling bench-routing bench-dispatch bench-remaining bench-pruning bench-embedding bench-core bench-serve bench-prefill bench-cpu-kernels bench-cpu-linear profile-serve profile-pruning bench-selectors bench-samplers bench-epic fit-epic-alpha ablation ablation-estimators calibration-stress soak prometheus dashboards alerts gpu-check gpu-check-vendor
 install: $(STAMP)
 
 $(STAMP):
@@ -57,7 +57,7 @@ alerts:
 	$(PY) -m monitoring.alerts
 
 # Benchmarks and the paper's ablations (loadtest/): `make <name> ARGS="..."` runs loadtest/<name with _>.py.
-LOADTEST := bench-scheduling bench-routing bench-dispatch bench-remaining bench-pruning bench-embedding bench-core bench-serve bench-startup bench-prefill bench-cpu-kernels profile-serve profile-pruning bench-selectors bench-samplers bench-epic fit-epic-alpha ablation ablation-estimators calibration-stress soak
+LOADTEST := bench-scheduling bench-routing bench-dispatch bench-remaining bench-pruning bench-embedding bench-core bench-serve bench-startup bench-prefill bench-cpu-kernels bench-cpu-linear profile-serve profile-pruning bench-selectors bench-samplers bench-epic fit-epic-alpha ablation ablation-estimators calibration-stress soak
 bench: model
 	$(PY) -m loadtest.bench_sampling $(ARGS)
 
