@@ -63,28 +63,30 @@ def _measure(args, shapes: list[tuple[int, int]]) -> tuple[list[dict], list[str]
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in shapes]
-    handlers = [ops.create_onednn_mm(w.float().t(), 32) for w in weights]  # as vLLM dispatches float32 weights
     with tempfile.TemporaryDirectory() as tmp:
         builds = {name: cpu_linear.load(str(cbuild.build_for("linear_bf16w", isa, Path(tmp))))
                   for name, (isa, needs) in ISAS.items() if needs <= cpu_flags()}
     panels = {name: [cpu_linear.pack(w, lib) for w in weights] for name, lib in builds.items()}
     arms = ["vllm", *builds]
     results = []
-    for rows in args.rows:
-        xs = [torch.randn(rows, k, generator=gen) for _, k in shapes]
-        outs = {arm: [torch.empty(rows, n) for n, _ in shapes] for arm in arms}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        # made at this thread count, as an engine makes them at its own: oneDNN keeps the primitive it creates at
+        # a handler's first call for each row count, with the threads of that moment
+        handlers = [ops.create_onednn_mm(w.float().t(), 32) for w in weights]
+        for rows in args.rows:
+            xs = [torch.randn(rows, k, generator=gen) for _, k in shapes]
+            outs = {arm: [torch.empty(rows, n) for n, _ in shapes] for arm in arms}
 
-        def step(arm: str, xs: list = xs, outs: dict = outs) -> float:
-            started = time.perf_counter()
-            for i, (n, _) in enumerate(shapes):
-                if arm == "vllm":
-                    torch.ops._C.onednn_mm(outs[arm][i], xs[i], None, handlers[i].handler_tensor)
-                elif not cpu_linear.linear_bf16w(xs[i], panels[arm][i], n, None, outs[arm][i], builds[arm]):
-                    raise RuntimeError(f"the {arm} build declined a layer of {n} x {xs[i].shape[1]}")
-            return time.perf_counter() - started
+            def step(arm: str, xs: list = xs, outs: dict = outs, handlers: list = handlers) -> float:
+                started = time.perf_counter()
+                for i, (n, _) in enumerate(shapes):
+                    if arm == "vllm":
+                        torch.ops._C.onednn_mm(outs[arm][i], xs[i], None, handlers[i].handler_tensor)
+                    elif not cpu_linear.linear_bf16w(xs[i], panels[arm][i], n, None, outs[arm][i], builds[arm]):
+                        raise RuntimeError(f"the {arm} build declined a layer of {n} x {xs[i].shape[1]}")
+                return time.perf_counter() - started
 
-        for threads in args.threads:
-            torch.set_num_threads(threads)
             times: dict[str, list[float]] = {arm: [] for arm in arms}
             for r in range(args.rounds):
                 for arm in arms if r % 2 == 0 else arms[::-1]:
@@ -100,6 +102,7 @@ def _measure(args, shapes: list[tuple[int, int]]) -> tuple[list[dict], list[str]
             print(f"{rows} rows, {threads} thread(s): vLLM's GEMM {1e3 * st.median(times['vllm']):.1f} ms, "
                   + ", ".join(f"{arm} {1e3 * st.median(times[arm]):.1f} ms" for arm in builds),
                   file=sys.stderr, flush=True)
+        del handlers  # their float32 copies, before the next count's
     return results, list(builds)
 
 
@@ -114,7 +117,7 @@ def _render(result: dict) -> str:
               f"{result['auto_rows']} rows.", "",
               "| rows | threads | vLLM's oneDNN float32 | " + " | ".join(f"ours, {b} build (ratio)" for b in builds)
               + " |", "|---|---|---|" + "---|" * len(builds)]
-    for r in result["rows"]:
+    for r in sorted(result["rows"], key=lambda r: (r["rows"], r["threads"])):
         cells = [f"{1e3 * st.median(r[f'{b}_s']):.1f} ({st.median(r['ratios'][b]):.2f}x "
                  f"[{min(r['ratios'][b]):.2f}-{max(r['ratios'][b]):.2f}])" for b in builds]
         lines.append(f"| {r['rows']} | {r['threads']} | {1e3 * st.median(r['vllm_s']):.1f} | " + " | ".join(cells)
