@@ -48,19 +48,26 @@ def layer_shapes(model_dir: Path, layers: int | None) -> list[tuple[int, int]]:
 
 
 def measure(args, shapes: list[tuple[int, int]]) -> tuple[list[dict], list[str]]:
-    threads_before = torch.get_num_threads()
-    try:
-        return _measure(args, shapes)
-    finally:
-        torch.set_num_threads(threads_before)  # a caller in the same process (the test) keeps its own count
+    """Each thread count in a process of its own, as an engine runs at one: vLLM's oneDNN GEMM keeps the primitives
+    it made at the first thread count a process ran (a later, larger count ran no faster, measured)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    results, builds = [], []
+    for threads in args.threads:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows, builds = pool.submit(_measure, args, shapes, threads).result()
+        results += rows
+    return results, builds
 
 
-def _measure(args, shapes: list[tuple[int, int]]) -> tuple[list[dict], list[str]]:
+def _measure(args, shapes: list[tuple[int, int]], threads: int) -> tuple[list[dict], list[str]]:
     from vllm import _custom_ops as ops
 
     from kernels import cbuild, cpu_linear
     from kernels.hardware import cpu_flags
 
+    torch.set_num_threads(threads)  # before anything made in this process can fix a count of its own
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in shapes]
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,40 +76,35 @@ def _measure(args, shapes: list[tuple[int, int]]) -> tuple[list[dict], list[str]
     panels = {name: [cpu_linear.pack(w, lib) for w in weights] for name, lib in builds.items()}
     arms = ["vllm", *builds]
     results = []
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        # made at this thread count, as an engine makes them at its own: oneDNN keeps the primitive it creates at
-        # a handler's first call for each row count, with the threads of that moment
-        handlers = [ops.create_onednn_mm(w.float().t(), 32) for w in weights]
-        for rows in args.rows:
-            xs = [torch.randn(rows, k, generator=gen) for _, k in shapes]
-            outs = {arm: [torch.empty(rows, n) for n, _ in shapes] for arm in arms}
+    handlers = [ops.create_onednn_mm(w.float().t(), 32) for w in weights]
+    for rows in args.rows:
+        xs = [torch.randn(rows, k, generator=gen) for _, k in shapes]
+        outs = {arm: [torch.empty(rows, n) for n, _ in shapes] for arm in arms}
 
-            def step(arm: str, xs: list = xs, outs: dict = outs, handlers: list = handlers) -> float:
-                started = time.perf_counter()
-                for i, (n, _) in enumerate(shapes):
-                    if arm == "vllm":
-                        torch.ops._C.onednn_mm(outs[arm][i], xs[i], None, handlers[i].handler_tensor)
-                    elif not cpu_linear.linear_bf16w(xs[i], panels[arm][i], n, None, outs[arm][i], builds[arm]):
-                        raise RuntimeError(f"the {arm} build declined a layer of {n} x {xs[i].shape[1]}")
-                return time.perf_counter() - started
+        def step(arm: str, xs: list = xs, outs: dict = outs, handlers: list = handlers) -> float:
+            started = time.perf_counter()
+            for i, (n, _) in enumerate(shapes):
+                if arm == "vllm":
+                    torch.ops._C.onednn_mm(outs[arm][i], xs[i], None, handlers[i].handler_tensor)
+                elif not cpu_linear.linear_bf16w(xs[i], panels[arm][i], n, None, outs[arm][i], builds[arm]):
+                    raise RuntimeError(f"the {arm} build declined a layer of {n} x {xs[i].shape[1]}")
+            return time.perf_counter() - started
 
-            times: dict[str, list[float]] = {arm: [] for arm in arms}
-            for r in range(args.rounds):
-                for arm in arms if r % 2 == 0 else arms[::-1]:
-                    step(arm)  # warm-up, untimed
-                    times[arm].append(st.median(step(arm) for _ in range(args.steps)))
-            for arm in builds:  # the same products, or the comparison means nothing (float32 sums in either order)
-                for ours, theirs in zip(outs[arm], outs["vllm"], strict=True):
-                    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-3):
-                        raise RuntimeError(f"the {arm} build and vLLM's GEMM disagree")
-            row = {"rows": rows, "threads": threads, **{f"{arm}_s": times[arm] for arm in arms},
-                   "ratios": {arm: [o / v for o, v in zip(times[arm], times["vllm"], strict=True)] for arm in builds}}
-            results.append(row)
-            print(f"{rows} rows, {threads} thread(s): vLLM's GEMM {1e3 * st.median(times['vllm']):.1f} ms, "
-                  + ", ".join(f"{arm} {1e3 * st.median(times[arm]):.1f} ms" for arm in builds),
-                  file=sys.stderr, flush=True)
-        del handlers  # their float32 copies, before the next count's
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        for r in range(args.rounds):
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                step(arm)  # warm-up, untimed
+                times[arm].append(st.median(step(arm) for _ in range(args.steps)))
+        for arm in builds:  # the same products, or the comparison means nothing (float32 sums in either order)
+            for ours, theirs in zip(outs[arm], outs["vllm"], strict=True):
+                if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-3):
+                    raise RuntimeError(f"the {arm} build and vLLM's GEMM disagree")
+        row = {"rows": rows, "threads": threads, **{f"{arm}_s": times[arm] for arm in arms},
+               "ratios": {arm: [o / v for o, v in zip(times[arm], times["vllm"], strict=True)] for arm in builds}}
+        results.append(row)
+        print(f"{rows} rows, {threads} thread(s): vLLM's GEMM {1e3 * st.median(times['vllm']):.1f} ms, "
+              + ", ".join(f"{arm} {1e3 * st.median(times[arm]):.1f} ms" for arm in builds),
+              file=sys.stderr, flush=True)
     return results, list(builds)
 
 
