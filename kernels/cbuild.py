@@ -32,6 +32,17 @@ OPENMP = frozenset({"decode_attention", "block_select", "block_summary", "linear
 AVX512 = frozenset({"linear_bf16w"})
 
 
+# Every build a library can have: its compiler flags, and the CPU flags a host needs to run it (narrowest first)
+ISAS = {"scalar": ([], frozenset()), "avx2": (["-mavx2", "-mfma"], frozenset({"avx2", "fma"})),
+        "avx512": (["-mavx2", "-mfma", "-mavx512f"], frozenset({"avx2", "fma", "avx512f"}))}
+
+
+def runnable_isas(name: str) -> dict[str, list[str]]:
+    """The builds of a library this host can run, by name (AVX-512 only for the libraries written for it)."""
+    return {isa: flags for isa, (flags, needs) in ISAS.items()
+            if needs <= cpu_flags() and (isa != "avx512" or name in AVX512)}
+
+
 def isa_flags(name: str) -> list[str]:
     """The instruction sets a library is built for: the host's (it is built where it runs, by make install or its
     first use)."""

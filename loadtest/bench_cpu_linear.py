@@ -28,10 +28,6 @@ import torch
 
 from loadtest.machine import header, publish
 
-# the instruction sets a build can target, narrowest first (kernels.cbuild.build_for)
-ISAS = {"avx2": (["-mavx2", "-mfma"], {"avx2", "fma"}), "avx512": (["-mavx2", "-mfma", "-mavx512f"],
-                                                                   {"avx2", "fma", "avx512f"})}
-
 
 def layer_shapes(model_dir: Path, layers: int | None) -> list[tuple[int, int]]:
     """(N, K) of each linear layer a decode step multiplies by, in order: per decoder layer the fused qkv, o,
@@ -53,7 +49,8 @@ def measure(args, shapes: list[tuple[int, int]]) -> tuple[list[dict], list[str]]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    results, builds = [], []
+    results: list[dict] = []
+    builds: list[str] = []
     for threads in args.threads:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             rows, builds = pool.submit(_measure, args, shapes, threads).result()
@@ -65,14 +62,13 @@ def _measure(args, shapes: list[tuple[int, int]], threads: int) -> tuple[list[di
     from vllm import _custom_ops as ops
 
     from kernels import cbuild, cpu_linear
-    from kernels.hardware import cpu_flags
 
     torch.set_num_threads(threads)  # before anything made in this process can fix a count of its own
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in shapes]
     with tempfile.TemporaryDirectory() as tmp:
         builds = {name: cpu_linear.load(str(cbuild.build_for("linear_bf16w", isa, Path(tmp))))
-                  for name, (isa, needs) in ISAS.items() if needs <= cpu_flags()}
+                  for name, isa in cbuild.runnable_isas("linear_bf16w").items() if name != "scalar"}
     panels = {name: [cpu_linear.pack(w, lib) for w in weights] for name, lib in builds.items()}
     arms = ["vllm", *builds]
     results = []

@@ -9,20 +9,18 @@ import pytest
 import torch
 
 from kernels import cbuild, cpu_linear
-from kernels.hardware import cpu_flags
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="the kernel needs AVX2 and FMA and a C compiler")
 
 # every code path of the C source this CPU can run, not only the one it serves with (the host's build)
-ISAS = {"scalar": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f"]}
-BUILDS = ["host", "scalar", "avx2"] + (["avx512"] if "avx512f" in cpu_flags() else [])
+BUILDS = ["host", *cbuild.runnable_isas("linear_bf16w")]
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     directory = tmp_path_factory.mktemp("linear_bf16w")
     libs = {name: cpu_linear.load(str(cbuild.build_for("linear_bf16w", isa, directory)))
-            for name, isa in ISAS.items() if name in BUILDS}
+            for name, isa in cbuild.runnable_isas("linear_bf16w").items()}
     return {"host": None, **libs}
 
 
